@@ -1,0 +1,313 @@
+"""
+GPT-2 from scratch, with a KV cache preallocated for a fixed number of slots.
+
+Shape legend, used in every comment below:
+    B  rows in this forward pass        T  new tokens per row
+    S  cache slots                      L  cache positions attended over (longest active sequence)
+    C  embedding size (n_embd)          nh heads, hs head size (C = nh * hs)
+    V  vocabulary size
+
+`GPT.forward(idx)` is the textbook causal forward with no cache: the reference for everything else.
+`GPT.forward_cached(...)` runs only new tokens, writes their keys and values into given slots at
+given positions, and attends under a mask that nanobatch.py builds: the caller owns the slots.
+"""
+import json
+import os
+import pickle
+import struct
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+# ---------------------------------------------------------------------------------------------
+# The transformer
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # positions GPT-2 was trained on: the position table has this many rows
+    vocab_size: int = 50257  # 50,000 BPE merges + 256 byte tokens + <|endoftext|>
+    n_layer: int = 12  # 12/24/36/48 for the 124M/350M/774M/1558M checkpoints
+    n_head: int = 12  # every GPT-2 size has heads of 64 dimensions: n_head = n_embd / 64
+    n_embd: int = 768
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x, kv_cache=None, slots=None, positions=None, attn_mask=None):
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in self.c_attn(x).split(C, dim=2))
+        # q, k, v: each (B, T, nh, hs)
+        if kv_cache is None:
+            # No cache: the row is the whole sequence, so plain causal attention is all it needs.
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # each (B, nh, T, hs)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        else:
+            # Row b belongs to cache slot slots[b] (slots=None: row b is slot b, every slot a row).
+            # Its token t sits at position positions[b, t]. Store the new keys and values there
+            # first, so that a token can attend to itself.
+            k_cache, v_cache = kv_cache  # each (S, max_len, nh, hs)
+            rows = torch.arange(B, device=x.device) if slots is None else slots  # (B,)
+            k_cache[rows[:, None], positions] = k
+            v_cache[rows[:, None], positions] = v
+            # Read back only the first L positions: attention costs what the longest active
+            # sequence needs, not what the cache could hold. When every slot is a row the cache
+            # is read as a view; indexing by `rows` would copy it, which measured slower than
+            # the attention itself (GPT-2 124M, 8 slots, CPU).
+            L = attn_mask.size(-1)
+            keys = k_cache[:, :L] if slots is None else k_cache[slots, :L]  # (B, L, nh, hs)
+            values = v_cache[:, :L] if slots is None else v_cache[slots, :L]  # (B, L, nh, hs)
+            y = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                attn_mask=attn_mask[:, None],  # (B, 1, T, L): the same mask for every head
+            )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, C)  # heads side by side again
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2 used the tanh GELU
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x, **cache_args):
+        x = x + self.attn(self.ln_1(x), **cache_args)  # pre-LayerNorm, residual around each half
+        return x + self.mlp(self.ln_2(x))
+
+
+class KVCache:
+    """Keys and values for S slots of max_len positions, every layer, in one tensor made once."""
+
+    def __init__(self, config, n_slots, max_len, device, dtype):
+        head_size = config.n_embd // config.n_head
+        # (n_layer, k|v, S, max_len, nh, hs). Zeros rather than torch.empty: a masked attention
+        # weight is exactly 0, but 0 * NaN is NaN, so garbage memory could leak into outputs.
+        shape = (config.n_layer, 2, n_slots, max_len, config.n_head, head_size)
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)
+        self.n_slots, self.max_len = n_slots, max_len
+
+    def layer(self, i):
+        return self.kv[i, 0], self.kv[i, 1]  # views, each (S, max_len, nh, hs)
+
+    def clear(self, slot):
+        """Zero one slot, for a new occupant. The mask hides a previous occupant's keys, but only
+        by giving them weight 0, and 0 * NaN is NaN: one that overflowed would poison the next."""
+        self.kv[:, :, slot].zero_()
+
+    @property
+    def nbytes(self):
+        return self.kv.numel() * self.kv.element_size()
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        # Names follow Hugging Face's GPT-2, so a checkpoint loads by name.
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # GPT-2 ties output and input embeddings
+        for name, p in self.named_parameters():  # GPT-2's init: a random model's logits look real
+            if p.dim() == 2:
+                nn.init.normal_(p, mean=0.0, std=0.02)  # linear and embedding weights
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def new_cache(self, n_slots, max_len):
+        """A KVCache on this model's device and dtype."""
+        p = self.lm_head.weight
+        return KVCache(self.config, n_slots, max_len, p.device, p.dtype)
+
+    def forward(self, idx):
+        """The reference: idx (B, T) token ids -> logits (B, T, V), causal, no cache."""
+        B, T = idx.size()
+        positions = torch.arange(T, device=idx.device)  # (T,)
+        x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
+
+    def forward_cached(self, idx, positions, cache, slots, attn_mask):
+        """Run only the new tokens, reading and writing the KV cache.
+
+        idx        (B, T) new token ids
+        positions  (B, T) position of each new token in its slot
+        cache      a KVCache
+        slots      (B,) the cache slot of each row, or None when row b is slot b for every slot
+        attn_mask  (B, T, L) bool: True where token t of row b may see position l of its slot
+        returns    logits (B, V) of each row's last token: all that sampling needs. Projecting
+                   all T tokens onto V = 50257 would cost more than the transformer itself.
+        """
+        x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, kv_cache=cache.layer(i), slots=slots, positions=positions, attn_mask=attn_mask)
+        return self.lm_head(self.transformer.ln_f(x[:, -1]))  # (B, V)
+
+    @classmethod
+    def from_pretrained(cls, source, cache_dir=None):
+        """GPT-2 from a Hugging Face checkpoint: a directory, a .safetensors or .bin file, or a
+        name in HF_MODELS (downloaded once into cache_dir, default ~/.cache/nanobatch)."""
+        path = find_checkpoint(source, cache_dir or default_cache_dir())
+        tensors = read_safetensors(path) if path.suffix == ".safetensors" else read_bin(path)
+        model = cls(config_from_tensors(tensors, path))
+        load_hf_tensors(model, tensors, path)
+        return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading real GPT-2 checkpoints (Hugging Face layout)
+
+HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # the four released sizes
+HF_URL = "https://huggingface.co/openai-community/{name}/resolve/main/model.safetensors"
+# GPT-2 was written with Conv1D layers, which store weights as (in, out); nn.Linear wants (out, in).
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+MAX_HEADER_BYTES = 100_000_000  # a real header is kilobytes; a corrupt length must not eat memory
+
+
+def default_cache_dir():
+    return Path(os.environ.get("NANOBATCH_CACHE", Path.home() / ".cache" / "nanobatch"))
+
+
+def find_checkpoint(source, cache_dir):
+    """The weights file that `source` names: a known model name, a directory, or a file."""
+    if source in HF_MODELS:
+        return download_checkpoint(source, cache_dir)
+    path = Path(source)
+    if path.is_dir():
+        path = next((p for p in (path / "model.safetensors", path / "pytorch_model.bin") if p.is_file()), None)
+        if path is None:
+            raise FileNotFoundError(f"{source}: holds neither model.safetensors nor pytorch_model.bin")
+    elif not path.is_file():
+        raise FileNotFoundError(f"{source}: no such file or directory, nor one of {list(HF_MODELS)}")
+    return path
+
+
+def download_checkpoint(name, cache_dir, timeout=10):
+    """Download once into cache_dir/name/; the file appears there only when it is complete."""
+    target = Path(cache_dir) / name / "model.safetensors"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial, url = target.with_suffix(".partial"), HF_URL.format(name=name)
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response, open(partial, "wb") as out:
+            total, done = int(response.headers.get("Content-Length") or 0), 0
+            while chunk := response.read(1 << 20):
+                out.write(chunk)
+                done += len(chunk)
+                percent = f"{100 * done / total:.0f}%" if total else ""
+                print(f"\rdownloading {name}: {done / 1e6:.0f} MB {percent}", end="", file=sys.stderr)
+        print(file=sys.stderr)
+    except OSError as e:  # URLError, timeouts and refused connections are all OSErrors
+        partial.unlink(missing_ok=True)
+        raise ConnectionError(f"could not download {name} from {url} ({e}): offline? "
+                              f"Pass a local checkpoint instead") from None
+    os.replace(partial, target)  # atomic: a crash mid-download never leaves a truncated target
+    return target
+
+
+def read_safetensors(path):
+    """Tensors of a .safetensors file: an 8-byte header length, a JSON header, then raw bytes."""
+    file_size = path.stat().st_size
+    with open(path, "rb") as f:
+        header_len = struct.unpack("<Q", f.read(8))[0] if file_size >= 8 else None
+        if header_len is None or header_len > min(MAX_HEADER_BYTES, file_size - 8):
+            raise ValueError(f"{path}: corrupt or truncated safetensors header ({file_size} bytes in all)")
+        entries = {}  # name -> (dtype, shape, first byte, end byte) within the data section
+        try:
+            header = json.loads(f.read(header_len))
+            header.pop("__metadata__", None)
+            for name, info in header.items():
+                begin, end = info["data_offsets"]
+                entries[name] = (SAFETENSORS_DTYPES[info["dtype"]], torch.Size(info["shape"]), begin, end)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # bad JSON, field or dtype
+            raise ValueError(f"{path}: corrupt safetensors header ({type(e).__name__}: {e})") from None
+        data_start, tensors = 8 + header_len, {}
+        for name, (dtype, shape, begin, end) in entries.items():
+            n_bytes = shape.numel() * dtype.itemsize
+            if not (0 <= begin <= end <= file_size - data_start and end - begin == n_bytes):
+                raise ValueError(f"{path}: tensor {name} claims bytes {begin}..{end}, which do not fit its "
+                                 f"shape {list(shape)} or the file (truncated?)")
+            f.seek(data_start + begin)
+            raw = bytearray(f.read(n_bytes))  # torch.frombuffer wants writable memory
+            tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape) if n_bytes else torch.empty(shape, dtype=dtype)
+    return tensors
+
+
+def read_bin(path):
+    """Tensors of a pytorch_model.bin; weights_only=True unpickles tensors and never runs code."""
+    try:
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise ValueError(f"{path}: not a readable PyTorch checkpoint ({str(e).splitlines()[0]})") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise ValueError(f"{path}: expected a dict of named tensors")
+    return tensors
+
+
+def config_from_tensors(tensors, path):
+    """The sizes, read off the tensors themselves: they cannot disagree with the weights."""
+    tensors = {name.removeprefix("transformer."): t for name, t in tensors.items()}
+    if "wte.weight" not in tensors or "wpe.weight" not in tensors:
+        raise ValueError(f"{path}: no wte.weight or wpe.weight, so not a GPT-2 checkpoint")
+    (vocab_size, n_embd), block_size = tensors["wte.weight"].shape, tensors["wpe.weight"].shape[0]
+    n_layer = len({name.split(".")[1] for name in tensors if name.startswith("h.")})
+    # Only the head count is in no shape: config.json says it, or else GPT-2's heads of 64 do.
+    config_file = path.parent / "config.json"
+    n_head = json.loads(config_file.read_text()).get("n_head") if config_file.is_file() else None
+    n_head = n_head or n_embd // 64
+    return GPTConfig(block_size, vocab_size, n_layer, n_head, n_embd)
+
+
+def load_hf_tensors(model, tensors, path):
+    """Copy every parameter from Hugging Face named tensors; anything missing or extra is an error."""
+    found = {}
+    for name, tensor in tensors.items():
+        name = name.removeprefix("transformer.")  # the hub has checkpoints with and without it
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # causal-mask buffers, not weights: our attention builds its own mask
+        found[name] = tensor
+    lm_head = found.pop("lm_head.weight", None)
+    if lm_head is not None and not torch.equal(lm_head, found.get("wte.weight", lm_head)):
+        raise ValueError(f"{path}: lm_head.weight differs from wte.weight, but GPT-2 ties them")
+    expected = {name.removeprefix("transformer."): p for name, p in model.named_parameters()}
+    for problem, names in [("missing", expected.keys() - found.keys()), ("unexpected", found.keys() - expected.keys())]:
+        if names:
+            raise ValueError(f"{path}: {len(names)} {problem} tensors, e.g. {sorted(names)[:3]}")
+    with torch.no_grad():
+        for name, param in expected.items():
+            is_conv1d = name.endswith(CONV1D_WEIGHTS)
+            want = param.shape[::-1] if is_conv1d else param.shape  # as the file should store it
+            if found[name].shape != want:
+                raise ValueError(f"{path}: tensor {name} has shape {list(found[name].shape)}, "
+                                 f"the model expects {list(want)}")
+            param.copy_(found[name].t() if is_conv1d else found[name])

@@ -1,0 +1,623 @@
+"""
+Tests for nanobatch, told as a story in the manner of minGPT's test_huggingface_import.
+
+Everything is checked against an independent reference: `GPT.forward`, the textbook causal forward
+with no cache, and `generate_sequential`, which serves one request at a time through it. The models
+are tiny (2 layers, 4 heads, 64 dimensions) but keep GPT-2's full vocabulary, and are seeded, so
+every run sees the same numbers. float64 on CPU makes "the same tokens" a fair demand.
+
+    python -m pytest -q test_nanobatch.py        (about a minute on two CPU cores; no network)
+"""
+import ctypes
+import io
+import json
+import math
+import os
+import random
+import struct
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+import model as model_py
+import nanobatch
+from model import GPT, GPTConfig
+from nanobatch import POLICIES, Request, attention_mask, generate, generate_sequential
+
+TINY = dict(block_size=64, vocab_size=50257, n_layer=2, n_head=4, n_embd=64)
+V = TINY["vocab_size"]
+MAX_LEN = 32  # positions per slot in the engine tests: short, so that some answers run out of room
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+REPO = Path(__file__).resolve().parent
+
+
+def tiny_gpt(device="cpu", dtype=torch.float64, seed=0, **sizes):
+    """A seeded random GPT. With GPT-2's init (std 0.02) a model this small is so smooth that its
+    tokens hardly depend on what attention sees, and a key read from the wrong slot goes unnoticed.
+    Drawing the blocks' matrices with std 0.1 makes tokens depend on their context (measured while
+    writing these tests: 39 of 48 runs with a deliberately broken cache read caught, not 26)."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**{**TINY, **sizes}))
+    with torch.no_grad():
+        for p in model.transformer.h.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.1)
+    return model.to(device, dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    """The model most tests share: float64 on CPU."""
+    return tiny_gpt()
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def gpt_on(request):
+    """The same model on every device present; float64 on CUDA too, so tokens must match exactly."""
+    return tiny_gpt(request.param)
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """No test touches the network: urlopen refuses every address but a local file://."""
+    real_urlopen = urllib.request.urlopen
+
+    def urlopen(url, *args, **kwargs):
+        if not str(url).startswith("file:"):
+            raise urllib.error.URLError("the tests run offline")
+        return real_urlopen(url, *args, **kwargs)
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+
+
+def random_prompt(rng, n_tokens):
+    return [rng.randrange(V) for _ in range(n_tokens)]
+
+
+def first_difference(got, want):
+    """'' when the completions agree token for token and reason for reason, else the first that differs."""
+    if len(got) != len(want):
+        return f"{len(got)} completions for {len(want)} requests"
+    for i, (g, w) in enumerate(zip(got, want)):
+        if (g.tokens, g.finish_reason) != (w.tokens, w.finish_reason):
+            return f"request {i} differs:\n  got  {g.finish_reason} {g.tokens}\n  want {w.finish_reason} {w.tokens}"
+    return ""
+
+
+def worst(got, want):
+    """The largest absolute difference and where it is: what a failed closeness check should print."""
+    diff = (got - want).abs().nan_to_num(nan=math.inf)  # a NaN is the worst difference of all
+    where = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+    return f"max |got - want| = {diff.max().item():.3g} at {where}: got {got[where]}, want {want[where]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 1) The engine serves exactly what the reference serves
+
+
+def random_workload(seed, n_requests=10, sampled=False):
+    """Seeded requests with every corner in them: prompts of 1 and of MAX_LEN - 1 tokens, answers of
+    1 token and answers too long for their slot, and requests that arrive while others run."""
+    rng = random.Random(seed)
+    prompt_lens = [1, MAX_LEN - 1] + [rng.randint(1, MAX_LEN - 1) for _ in range(n_requests - 2)]
+    max_new = [1, 2 * MAX_LEN] + [rng.randint(1, 24) for _ in range(n_requests - 2)]
+    rng.shuffle(prompt_lens)
+    rng.shuffle(max_new)
+    requests = []
+    for i, (n_prompt, n_new) in enumerate(zip(prompt_lens, max_new)):
+        temperature, top_k = (rng.choice([0.0, 0.8, 1.5]), rng.choice([None, 1, 5, 50])) if sampled else (0.0, None)
+        arrival = 0 if rng.random() < 0.4 else rng.randint(1, 12)  # most come late, out of list order
+        requests.append(Request(random_prompt(rng, n_prompt), n_new, temperature, top_k, seed=1000 + i,
+                                arrival=arrival))
+    return requests
+
+
+def n_active(completions, step):
+    return sum(c.admit_step <= step <= c.finish_step for c in completions)
+
+
+def check_clock(requests, completions, n_slots, policy):
+    """Check the schedule from admit_step and finish_step alone; returns how many steps had a queue."""
+    n, n_queued_steps = len(requests), 0
+    for i, (r, c) in enumerate(zip(requests, completions)):
+        assert c.finish_step == c.admit_step + len(c.tokens) - 1, f"request {i}: one token per step broken: {c}"
+        assert c.admit_step >= r.arrival, f"request {i} admitted at step {c.admit_step}, before it arrived"
+        assert 0 <= c.ttft_s <= c.latency_s, f"request {i}: first token after the last one: {c}"
+    fcfs = sorted(range(n), key=lambda i: (requests[i].arrival, i))  # first come, first served
+    admits = [completions[i].admit_step for i in fcfs]
+    assert admits == sorted(admits), f"admitted out of arrival order: requests {fcfs} at steps {admits}"
+    for t in range(max(c.finish_step for c in completions) + 1):
+        waiting = [i for i in range(n) if requests[i].arrival <= t < completions[i].admit_step]
+        active = n_active(completions, t)
+        assert active <= n_slots, f"step {t}: {active} requests active in {n_slots} slots"
+        if waiting and policy == "continuous":
+            assert active == n_slots, f"step {t}: requests {waiting} wait while {active} of {n_slots} slots work"
+        if waiting and policy == "static":
+            assert active > 0, f"step {t}: the belt is empty while requests {waiting} wait"
+        n_queued_steps += bool(waiting)
+    if policy == "static":  # a batch is admitted only into an empty belt, and fills it if it can
+        for s in sorted({c.admit_step for c in completions}):
+            running = [i for i, c in enumerate(completions) if c.admit_step < s <= c.finish_step]
+            assert not running, f"static admitted at step {s} while requests {running} still ran"
+            joined = sum(c.admit_step == s for c in completions)
+            left = [i for i in range(n) if requests[i].arrival <= s < completions[i].admit_step]
+            assert not left or joined == n_slots, f"step {s}: {joined} admitted of {n_slots}, {left} left waiting"
+    return n_queued_steps
+
+
+def check_stops(requests, completions, max_len, eos_id):
+    """Each answer stops at its first token that is EOS (kept), reaches max_new_tokens, or fills
+    max_len, whichever comes first, and says which."""
+    for i, (r, c) in enumerate(zip(requests, completions)):
+        for n, token in enumerate(c.tokens, start=1):
+            reason = ("eos" if token == eos_id else "length" if n == r.max_new_tokens
+                      else "context" if len(r.prompt) + n == max_len else None)
+            if reason:
+                break
+        assert (n, reason) == (len(c.tokens), c.finish_reason), f"request {i} should stop at {n} ({reason}): {c}"
+
+
+@pytest.fixture(scope="module", params=["greedy", "sampled"])
+def workload(request, gpt_on):
+    """A random workload, an eos_id the model really emits mid-answer, and the reference's answers.
+    The eos_id is the first new token of some answer, past its first: that answer must stop there."""
+    requests = random_workload(seed=9, sampled=request.param == "sampled")
+    no_eos = generate_sequential(gpt_on, requests, max_len=MAX_LEN, eos_id=None)
+    eos_id = next(c.tokens[k] for c in no_eos for k in range(1, len(c.tokens)) if c.tokens[k] not in c.tokens[:k])
+    return requests, eos_id, generate_sequential(gpt_on, requests, max_len=MAX_LEN, eos_id=eos_id)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("n_slots", [1, 3, 16])  # one slot, a few, more slots than requests
+def test_generate_matches_sequential(gpt_on, workload, n_slots, policy):
+    """The heart of it: batching must change when tokens are computed, never which. Same tokens,
+    same finish reasons as one request at a time through the plain forward, greedy and sampled."""
+    requests, eos_id, reference = workload
+    reasons = {c.finish_reason for c in reference}
+    assert reasons == {"eos", "length", "context"}, f"the workload must end answers every way, got {reasons}"
+    check_stops(requests, reference, MAX_LEN, eos_id)  # the reference itself obeys the stopping rules
+    got = generate(gpt_on, requests, n_slots=n_slots, max_len=MAX_LEN, eos_id=eos_id, policy=policy)
+    assert first_difference(got, reference) == ""
+    check_clock(requests, got, n_slots, policy)
+    if n_slots < len(requests):  # late requests found the belt busy and others already queued
+        queued_behind = [i for i, r in enumerate(requests) if 0 < r.arrival < got[i].admit_step and any(
+            requests[j].arrival < r.arrival < got[j].admit_step for j in range(len(requests)))]
+        assert queued_behind, "no late request had to queue behind others: the workload lacks teeth"
+    if n_slots == 1:  # one slot is the sequential reference's own clock
+        assert [(c.admit_step, c.finish_step) for c in got] == [(c.admit_step, c.finish_step) for c in reference]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("n_slots", [1, 2, 5])
+def test_clock(gpt, n_slots, policy):
+    """The schedule, from admit_step and finish_step alone, on random workloads: one token per step,
+    first come first served, continuous never idles a slot while a request waits, static admits only
+    into an empty belt. Each schedule judged by the other policy's rules must fail: the check bites."""
+    for seed in (1, 2):
+        requests = random_workload(seed, n_requests=16)
+        completions = generate(gpt, requests, n_slots=n_slots, max_len=MAX_LEN, eos_id=None, policy=policy)
+        assert check_clock(requests, completions, n_slots, policy) > 0, "nothing ever waited: a toothless workload"
+        if n_slots > 1:
+            other = POLICIES[1 - POLICIES.index(policy)]
+            with pytest.raises(AssertionError):
+                check_clock(requests, completions, n_slots, other)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_request_gets_one_completion_in_order(gpt, policy):
+    """Nothing lost, nothing doubled: distinct max_new_tokens make each completion say whose it is,
+    and every request is admitted and finished exactly once in the step reports."""
+    rng = random.Random(4)
+    lengths = rng.sample(range(1, 21), 12)
+    requests = [Request(random_prompt(rng, rng.randint(1, 8)), n, arrival=rng.randint(0, 10)) for n in lengths]
+    reports = []
+    completions = generate(gpt, requests, n_slots=3, max_len=MAX_LEN, eos_id=None, policy=policy,
+                           on_step=reports.append)
+    assert [len(c.tokens) for c in completions] == lengths, "completions are not in request order"
+    assert {c.finish_reason for c in completions} == {"length"}
+    admitted = sorted(i for report in reports for i in report.admitted)
+    finished = sorted(i for report in reports for i, _ in report.finished)
+    assert admitted == finished == list(range(len(requests)))
+    assert all(c is completions[i] for report in reports for i, c in report.finished)
+
+
+@pytest.mark.parametrize("serve", [generate, generate_sequential])
+def test_stopping_rules_in_order(gpt, serve):
+    """When rules fire on the same token, the first in order wins: EOS (kept), then max_new_tokens,
+    then max_len. The reference shares the rule, so here it is checked against fixed expectations."""
+    prompt = [1, 2, 3]
+    free = generate_sequential(gpt, [Request(prompt, 8)], max_len=MAX_LEN, eos_id=None)[0].tokens
+    k = next(k for k in range(1, len(free)) if free[k] not in free[:k])  # free[k] first appears at k
+    eos_last = serve(gpt, [Request(prompt, k + 1)], max_len=len(prompt) + k + 1, eos_id=free[k])[0]
+    assert (eos_last.tokens, eos_last.finish_reason) == (free[:k + 1], "eos")
+    length_last = serve(gpt, [Request(prompt, k)], max_len=len(prompt) + k, eos_id=free[k])[0]
+    assert (length_last.tokens, length_last.finish_reason) == (free[:k], "length")
+    context = serve(gpt, [Request(prompt, 8)], max_len=len(prompt) + k, eos_id=None)[0]
+    assert (context.tokens, context.finish_reason) == (free[:k], "context")
+
+
+def test_reused_slot_gives_the_same_answer(gpt):
+    """A freed slot keeps its previous occupant's keys. A short request must not notice: in one slot,
+    after a long request, it answers exactly as it does in a fresh cache."""
+    rng = random.Random(3)
+    long_request = Request(random_prompt(rng, 28), 3)  # leaves keys in 30 of the slot's 32 positions
+    for short in (Request(random_prompt(rng, 2), 12), Request(random_prompt(rng, 5), 10, 1.0, 20, seed=7)):
+        fresh = generate(gpt, [short], n_slots=1, max_len=MAX_LEN, eos_id=None)
+        reused = generate(gpt, [long_request, short], n_slots=1, max_len=MAX_LEN, eos_id=None)
+        assert reused[1].admit_step > 0, "the short request did not follow the long one"
+        assert first_difference(reused[1:], fresh) == ""
+
+
+def test_needle_among_fillers(gpt):
+    """A seeded request draws from its own generator: alone, or at a random place among many fillers
+    with other lengths and sampling settings, it gets the same tokens."""
+    rng = random.Random(5)
+    needle = Request(random_prompt(rng, 6), 16, temperature=0.9, top_k=50, seed=1234, arrival=3)
+    alone = generate_sequential(gpt, [needle], max_len=MAX_LEN, eos_id=None)
+    greedy = generate_sequential(gpt, [Request(needle.prompt, 16, arrival=3)], max_len=MAX_LEN, eos_id=None)
+    assert alone[0].tokens != greedy[0].tokens, "the needle does not really sample"
+    top_1 = generate_sequential(gpt, [Request(needle.prompt, 16, 1.5, top_k=1, seed=1)], max_len=MAX_LEN, eos_id=None)
+    assert top_1[0].tokens == greedy[0].tokens, "top_k=1 must be greedy at any temperature"
+    fillers = [Request(random_prompt(rng, rng.randint(1, 20)), rng.randint(1, 11), rng.choice([0.0, 0.7, 1.3]),
+                       rng.choice([None, 3, 100]), arrival=rng.randint(0, 6)) for _ in range(15)]
+    place = rng.randrange(len(fillers) + 1)
+    crowd = fillers[:place] + [needle] + fillers[place:]
+    for policy in POLICIES:
+        got = generate(gpt, crowd, n_slots=4, max_len=MAX_LEN, eos_id=None, policy=policy)
+        assert first_difference(got[place:place + 1], alone) == "", f"needle at {place} of {len(crowd)}, {policy}"
+
+
+def decode_sees_everything(positions, L):
+    """Broken on purpose: a decode row sees all L positions, past its own prefix."""
+    visible = attention_mask(positions, L)  # the real mask: imported before any monkeypatching
+    return torch.ones_like(visible) if positions.size(1) == 1 else visible
+
+
+def prefill_sees_the_future(positions, L):
+    """Broken on purpose: a prompt token sees the prompt tokens after it."""
+    visible = attention_mask(positions, L)
+    return torch.ones_like(visible) if positions.size(1) > 1 else visible
+
+
+@pytest.mark.parametrize("broken_mask", [decode_sees_everything, prefill_sees_the_future])
+def test_a_broken_mask_is_caught(gpt, monkeypatch, broken_mask):
+    """Negative control: the equivalence tests have teeth. With prompts of different lengths sharing
+    two slots, a mask that shows a row its slot's old keys or padding, or a prompt its own future,
+    must make generate disagree with the reference."""
+    rng = random.Random(1)
+    requests = [Request(random_prompt(rng, n), m) for n, m in [(20, 12), (3, 10), (12, 8), (2, 10), (7, 6)]]
+    reference = generate_sequential(gpt, requests, max_len=MAX_LEN, eos_id=None)
+    assert first_difference(generate(gpt, requests, n_slots=2, max_len=MAX_LEN, eos_id=None), reference) == ""
+    monkeypatch.setattr(nanobatch, "attention_mask", broken_mask)
+    broken = generate(gpt, requests, n_slots=2, max_len=MAX_LEN, eos_id=None)
+    assert first_difference(broken, reference) != "", f"{broken_mask.__name__} went unnoticed"
+
+
+def test_a_slot_is_cleaned_for_its_new_occupant(gpt, monkeypatch):
+    """The mask hides a slot's previous occupant by giving its keys weight 0, but 0 * NaN is NaN: an
+    occupant whose keys overflowed would poison the next. generate must clean each slot as a request
+    moves in. Here every cache starts full of NaN; the outputs must still equal the reference, and
+    must not once the cleaning is switched off (so the NaN really was there to catch)."""
+    new_cache = GPT.new_cache
+
+    def poisoned_cache(model, n_slots, max_len):
+        cache = new_cache(model, n_slots, max_len)
+        cache.kv.fill_(math.nan)
+        return cache
+
+    monkeypatch.setattr(GPT, "new_cache", poisoned_cache)
+    rng = random.Random(8)
+    requests = [Request(random_prompt(rng, n), m) for n, m in [(9, 6), (2, 8), (5, 3), (1, 7), (6, 5)]]
+    reference = generate_sequential(gpt, requests, max_len=MAX_LEN, eos_id=None)
+    assert first_difference(generate(gpt, requests, n_slots=2, max_len=MAX_LEN, eos_id=None), reference) == ""
+    monkeypatch.setattr(model_py.KVCache, "clear", lambda cache, slot: None)
+    dirty = generate(gpt, requests, n_slots=2, max_len=MAX_LEN, eos_id=None)
+    assert first_difference(dirty, reference) != "", "a NaN-filled cache went unnoticed without cleaning"
+
+
+# ---------------------------------------------------------------------------------------------
+# 2) The cached forward computes the plain forward's logits
+
+
+@pytest.mark.parametrize("stale", ["previous sequences", "NaN"])
+@pytest.mark.parametrize("device, dtype, atol", [
+    ("cpu", torch.float32, 1e-5), ("cpu", torch.float64, 1e-10), pytest.param("cuda", torch.float32, 1e-5, marks=CUDA)])
+def test_cached_path_matches_forward(device, dtype, atol, stale):
+    """Prefill three prompts together into three of five slots, then decode token by token with every
+    slot a row: each row's logits must be the plain forward's over that row's own sequence. The
+    slots are dirty first, either holding other sequences' keys, which the mask alone must hide, or
+    NaN in every position, which the mask cannot hide (0 * NaN is NaN): cache.clear, as nanobatch
+    calls it when a request moves into a slot, must leave nothing of it."""
+    model, rng = tiny_gpt(device, dtype), random.Random(6)
+    n_slots, slots, T = 5, [3, 0, 4], 7
+    cache = model.new_cache(n_slots, max_len=24)
+
+    def tensor(rows):
+        return torch.tensor(rows, device=device)
+
+    with torch.no_grad():
+        # 0) Dirty the cache: every slot full of another sequence's keys, or all NaN.
+        if stale == "NaN":
+            cache.kv.fill_(math.nan)
+            for slot in slots:
+                cache.clear(slot)
+        else:
+            positions = torch.arange(24, device=device).expand(n_slots, 24)  # (S, 24)
+            old = tensor([random_prompt(rng, 24) for _ in range(n_slots)])
+            model.forward_cached(old, positions, cache, None, attention_mask(positions, 24))
+        # 1) Prefill: prompts of 7, 2 and 5 tokens right-padded with random tokens to T = 7, into
+        #    slots 3, 0, 4. Each row's last logits are those of its own padded row.
+        prompts = [random_prompt(rng, n) for n in (7, 2, 5)]
+        idx = tensor([p + random_prompt(rng, T - len(p)) for p in prompts])  # (3, T)
+        positions = torch.arange(T, device=device).expand(3, T)  # (3, T)
+        got = model.forward_cached(idx, positions, cache, tensor(slots), attention_mask(positions, T))  # (3, V)
+        want = model(idx)[:, -1]  # (3, V)
+        assert torch.allclose(got, want, rtol=0, atol=atol), f"prefill: {worst(got, want)}"
+        # 2) Decode 8 tokens each, overwriting the padding. Idle slots 1, 2 feed token 0 at position 0.
+        sequences = dict(zip(slots, prompts))
+        for step in range(8):
+            for sequence in sequences.values():
+                sequence.append(rng.randrange(V))
+            idx = tensor([[sequences[s][-1]] if s in sequences else [0] for s in range(n_slots)])  # (S, 1)
+            positions = tensor([[len(sequences[s]) - 1] if s in sequences else [0] for s in range(n_slots)])
+            mask = attention_mask(positions, int(positions.max()) + 1)  # (S, 1, L)
+            got = model.forward_cached(idx, positions, cache, None, mask)  # (S, V)
+            for s, sequence in sequences.items():
+                want = model(tensor([sequence]))[0, -1]  # (V,)
+                assert torch.allclose(got[s], want, rtol=0, atol=atol), \
+                    f"decode step {step}, slot {s} at position {len(sequence) - 1}: {worst(got[s], want)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 3) Loading Hugging Face checkpoints, written here by hand
+
+
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+@pytest.fixture(scope="module")
+def saved():
+    """A float32 GPT to save. Heads of 64 dimensions, as in GPT-2, so that it loads without a
+    config.json too (the head count is in no tensor's shape)."""
+    return tiny_gpt(dtype=torch.float32, seed=1, n_head=2, n_embd=128)
+
+
+def hf_tensors(model, prefix="", buffers=True, lm_head=False):
+    """The model's parameters named and laid out as Hugging Face stores GPT-2."""
+    tensors = {}
+    for name, p in model.named_parameters():  # the tied lm_head is listed once, as wte
+        name = name.removeprefix("transformer.")
+        tensors[prefix + name] = (p.t() if name.endswith(CONV1D) else p).detach().contiguous().clone()  # (in, out)
+    if buffers:  # the causal-mask buffers that old checkpoints carry
+        n = model.config.block_size
+        for i in range(model.config.n_layer):
+            tensors[f"{prefix}h.{i}.attn.bias"] = torch.tril(torch.ones(n, n)).view(1, 1, n, n)
+            tensors[f"{prefix}h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    if lm_head:
+        tensors["lm_head.weight"] = tensors[prefix + "wte.weight"].clone()
+    return tensors
+
+
+def write_safetensors(path, tensors):
+    """The safetensors format by hand: 8 bytes of header length, a JSON header, then raw bytes."""
+    header, chunks, offset = {}, [], 0
+    for name, t in tensors.items():
+        raw = ctypes.string_at(t.data_ptr(), t.nbytes)  # the tensor's memory, byte for byte, no numpy
+        dtype = {torch.float32: "F32", torch.float64: "F64"}[t.dtype]
+        header[name] = dict(dtype=dtype, shape=list(t.shape), data_offsets=[offset, offset + len(raw)])
+        chunks.append(raw)
+        offset += len(raw)
+    header_bytes = json.dumps(header).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # the format pads its header to 8 bytes
+    path.write_bytes(struct.pack("<Q", len(header_bytes)) + header_bytes + b"".join(chunks))
+    return header
+
+
+LAYOUTS = {  # name: (file, key prefix, causal-mask buffers, lm_head.weight, config.json)
+    "hub safetensors": ("model.safetensors", "", True, False, True),
+    "safetensors, transformer. keys, no config": ("model.safetensors", "transformer.", True, True, False),
+    "bin, transformer. keys": ("pytorch_model.bin", "transformer.", True, True, True),
+    "bin, bare keys, no buffers, no config": ("pytorch_model.bin", "", False, False, False),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_load_hf_checkpoint(saved, tmp_path, layout):
+    """A checkpoint in each layout the hub has loads, from its directory or its file, into the saved
+    model: same sizes, same logits. Square Conv1D weights (c_proj) left untransposed would still
+    fit their shapes: only the logits catch that."""
+    filename, prefix, buffers, lm_head, config_json = LAYOUTS[layout]
+    tensors = hf_tensors(saved, prefix, buffers, lm_head)
+    if filename.endswith(".safetensors"):
+        write_safetensors(tmp_path / filename, tensors)
+    else:
+        torch.save(tensors, tmp_path / filename)
+    c = saved.config
+    if config_json:
+        config = dict(n_positions=c.block_size, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
+                      n_embd=c.n_embd, model_type="gpt2")
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    idx = torch.tensor([random_prompt(random.Random(8), 12)])
+    with torch.no_grad():
+        want = saved(idx)
+        for source in (tmp_path, tmp_path / filename):
+            loaded = GPT.from_pretrained(source).eval()
+            assert loaded.config == saved.config
+            got = loaded(idx)
+            assert torch.allclose(got, want, rtol=0, atol=1e-6), f"{source.name}: {worst(got, want)}"
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("missing tensor", r"missing.*h\.1\.mlp\.c_fc\.bias"),
+    ("unexpected tensor", r"unexpected.*h\.0\.attn\.rotary\.weight"),
+    ("wrong shape", r"h\.0\.ln_1\.weight.*127.*128"),  # both shapes, the file's and the model's
+    ("untied lm_head", r"lm_head\.weight"),
+])
+def test_wrong_tensors_are_refused(saved, tmp_path, damage, message):
+    """A checkpoint with a tensor missing, extra, misshapen, or an lm_head that is not wte is refused
+    with a ValueError that names the tensor: never loaded half."""
+    tensors = hf_tensors(saved)
+    if damage == "missing tensor":
+        del tensors["h.1.mlp.c_fc.bias"]
+    elif damage == "unexpected tensor":
+        tensors["h.0.attn.rotary.weight"] = torch.zeros(4)
+    elif damage == "wrong shape":
+        tensors["h.0.ln_1.weight"] = tensors["h.0.ln_1.weight"][:127].clone()
+    else:
+        tensors["lm_head.weight"] = tensors["wte.weight"] + 1
+    write_safetensors(tmp_path / "model.safetensors", tensors)
+    with pytest.raises(ValueError, match=message):
+        GPT.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["garbage header", "header not an object", "header cut short",
+                                    "absurd header length", "data cut short", "offsets past the end"])
+def test_corrupt_safetensors_are_refused(tmp_path, damage):
+    """A damaged file is a ValueError naming what is wrong, not a crash deep inside torch or json."""
+    path = tmp_path / "model.safetensors"
+    header = write_safetensors(path, {"wte.weight": torch.randn(10, 8), "wpe.weight": torch.randn(4, 8)})
+    data = path.read_bytes()
+    header_len = struct.unpack("<Q", data[:8])[0]
+    message = "header"
+    if damage == "garbage header":
+        data = data[:8] + b"\xff" * header_len + data[8 + header_len:]
+    elif damage == "header not an object":
+        data = struct.pack("<Q", 8) + b"[1, 2]  "
+    elif damage == "header cut short":
+        data = data[:8 + header_len // 2]
+    elif damage == "absurd header length":
+        data = struct.pack("<Q", 2**62) + data[8:]
+    elif damage == "data cut short":  # the last tensor's bytes run past the end
+        data, message = data[:-4], "wpe.weight"
+    else:
+        begin, end = header["wte.weight"]["data_offsets"]
+        header["wte.weight"]["data_offsets"] = [begin + len(data), end + len(data)]
+        header_bytes = json.dumps(header).encode()
+        data = struct.pack("<Q", len(header_bytes)) + header_bytes + data[8 + header_len:]
+        message = "wte.weight"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=message):
+        GPT.from_pretrained(path)
+
+
+def test_missing_checkpoint(tmp_path):
+    """A path that is not there, or a directory without weights, is a FileNotFoundError."""
+    with pytest.raises(FileNotFoundError):
+        GPT.from_pretrained(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError):
+        GPT.from_pretrained(tmp_path)
+
+
+def test_download_checkpoint(saved, tmp_path, monkeypatch):
+    """A name is fetched from HF_URL into the cache, the file appearing only once whole. Here HF_URL
+    points at a local file, so nothing leaves the machine."""
+    hub = tmp_path / "hub" / "gpt2"
+    hub.mkdir(parents=True)
+    write_safetensors(hub / "model.safetensors", hf_tensors(saved))
+    monkeypatch.setattr(model_py, "HF_URL", f"file://{tmp_path}/hub/{{name}}/model.safetensors")
+    path = model_py.download_checkpoint("gpt2", tmp_path / "cache")
+    assert path.read_bytes() == (hub / "model.safetensors").read_bytes()
+    assert [p.name for p in path.parent.iterdir()] == ["model.safetensors"], "a .partial file was left behind"
+    idx = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(GPT.from_pretrained(path)(idx), saved(idx))
+    monkeypatch.setattr(model_py, "HF_URL", "file:///nowhere/{name}")  # a second call downloads nothing
+    assert model_py.download_checkpoint("gpt2", tmp_path / "cache") == path
+
+
+class DroppedConnection(io.BytesIO):
+    """A response that delivers 10 bytes, then loses the connection."""
+    headers = {"Content-Length": "1000"}
+
+    def read(self, size=-1):
+        if self.tell():
+            raise TimeoutError("the connection dropped")
+        return super().read(10)
+
+
+@pytest.mark.parametrize("failure", ["no network", "dropped midway"])
+def test_failed_download(tmp_path, monkeypatch, failure):
+    """Offline, or cut off halfway: a one-line ConnectionError, and no file, partial or whole, left."""
+    def urlopen(url, timeout=None):
+        if failure == "no network":
+            raise urllib.error.URLError("Name or service not known")
+        return DroppedConnection(b"x" * 1000)
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    with pytest.raises(ConnectionError) as error:
+        GPT.from_pretrained("gpt2", cache_dir=tmp_path)
+    assert "gpt2" in str(error.value) and "\n" not in str(error.value), str(error.value)
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# 4) Bad input is refused before any work, naming the field
+
+
+GOOD = dict(prompt=[1, 2, 3], max_new_tokens=4)
+BAD_INPUTS = [  # (what is wrong, fields of the second Request, generate's arguments, the name in the message)
+    ("empty prompt", dict(prompt=[]), {}, r"requests\[1\]\.prompt"),
+    ("token id past the vocabulary", dict(prompt=[1, V]), {}, r"requests\[1\]\.prompt"),
+    ("negative token id", dict(prompt=[-1, 2]), {}, r"requests\[1\]\.prompt"),
+    ("prompt fills max_len", dict(prompt=[1] * 16), dict(max_len=16), r"requests\[1\]\.prompt"),
+    ("no new tokens", dict(max_new_tokens=0), {}, r"requests\[1\]\.max_new_tokens"),
+    ("negative temperature", dict(temperature=-0.5), {}, r"requests\[1\]\.temperature"),
+    ("NaN temperature", dict(temperature=math.nan), {}, r"requests\[1\]\.temperature"),
+    ("top_k of 0", dict(top_k=0), {}, r"requests\[1\]\.top_k"),
+    ("no slots", {}, dict(n_slots=0), r"n_slots"),
+    ("max_len past block_size", {}, dict(max_len=TINY["block_size"] + 1), r"max_len"),
+    ("unknown policy", {}, dict(policy="fifo"), r"policy"),
+]
+
+
+@pytest.mark.parametrize("fields, arguments, name", [case[1:] for case in BAD_INPUTS],
+                         ids=[case[0] for case in BAD_INPUTS])
+def test_bad_input_is_refused(gpt, fields, arguments, name):
+    """Every unservable input is a ValueError naming the field, raised before the first step: the
+    good request in front of the bad one is never served."""
+    requests = [Request(**GOOD), Request(**{**GOOD, **fields})]
+    steps = []
+    with pytest.raises(ValueError, match=name):
+        generate(gpt, requests, on_step=steps.append, **arguments)
+    assert steps == [], "it failed halfway, after serving steps"
+    if not {"n_slots", "policy"} & arguments.keys():  # the reference refuses the same requests
+        with pytest.raises(ValueError, match=name):
+            generate_sequential(gpt, requests, **arguments)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5) The command line, offline
+
+
+def run_cli(tmp_path, *args):
+    env = {**os.environ, "NANOBATCH_CACHE": str(tmp_path),  # an empty cache: no real weights found
+           "PYTHONWARNINGS": "ignore",  # torch's import-time warnings are not the CLI's output
+           # Every proxy points at a closed local port: a download attempt fails at once, offline.
+           "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "no_proxy": ""}
+    return subprocess.run([sys.executable, "nanobatch.py", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=100)
+
+
+@pytest.mark.parametrize("args", [["--demo", "--quick"], ["--bench", "--quick"]])
+def test_cli_runs_offline(tmp_path, args):
+    """The demo and the benchmark run in seconds on a tiny random model, with no network."""
+    result = run_cli(tmp_path, *args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    if "--demo" in args:  # a belt line per step, then continuous against static
+        assert "continuous" in result.stdout and "static" in result.stdout, result.stdout[-2000:]
+        assert len(result.stdout.splitlines()) > 10, result.stdout
+
+
+def test_cli_error_is_one_line(tmp_path):
+    """A bad flag is one line on stderr, 'nanobatch: error: ...', exit status 2, no traceback."""
+    result = run_cli(tmp_path, "--demo", "--slots", "0")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("nanobatch: error:") and "slots" in lines[0], result.stderr
