@@ -103,11 +103,8 @@ class KVCache:
 
     def __init__(self, config, n_slots, max_len, device, dtype):
         head_size = config.n_embd // config.n_head
-        # (n_layer, k|v, S, max_len, nh, hs). Zeros rather than torch.empty: a masked attention
-        # weight is exactly 0, but 0 * NaN is NaN, so garbage memory could leak into outputs.
-        shape = (config.n_layer, 2, n_slots, max_len, config.n_head, head_size)
-        self.kv = torch.zeros(shape, device=device, dtype=dtype)
-        self.n_slots, self.max_len = n_slots, max_len
+        shape = (config.n_layer, 2, n_slots, max_len, config.n_head, head_size)  # k|v is dim 1
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)  # zeros: see clear() for why
 
     def layer(self, i):
         return self.kv[i, 0], self.kv[i, 1]  # views, each (S, max_len, nh, hs)
@@ -141,8 +138,7 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def new_cache(self, n_slots, max_len):
-        """A KVCache on this model's device and dtype."""
+    def new_cache(self, n_slots, max_len):  # on this model's device, in its dtype
         p = self.lm_head.weight
         return KVCache(self.config, n_slots, max_len, p.device, p.dtype)
 
@@ -155,7 +151,7 @@ class GPT(nn.Module):
             x = block(x)
         return self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
 
-    def forward_cached(self, idx, positions, cache, slots, attn_mask):
+    def forward_cached(self, idx, positions, cache, slots, attn_mask, need_logits=True):
         """Run only the new tokens, reading and writing the KV cache.
 
         idx        (B, T) new token ids
@@ -163,13 +159,14 @@ class GPT(nn.Module):
         cache      a KVCache
         slots      (B,) the cache slot of each row, or None when row b is slot b for every slot
         attn_mask  (B, T, L) bool: True where token t of row b may see position l of its slot
-        returns    logits (B, V) of each row's last token: all that sampling needs. Projecting
-                   all T tokens onto V = 50257 would cost more than the transformer itself.
+        returns    logits (B, V) of each row's last token, all that sampling needs (projecting all T
+                   tokens onto V = 50257 would cost more than the transformer); None when
+                   need_logits is False, for a pass that only fills the cache.
         """
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
             x = block(x, kv_cache=cache.layer(i), slots=slots, positions=positions, attn_mask=attn_mask)
-        return self.lm_head(self.transformer.ln_f(x[:, -1]))  # (B, V)
+        return self.lm_head(self.transformer.ln_f(x[:, -1])) if need_logits else None  # (B, V)
 
     @classmethod
     def from_pretrained(cls, source, cache_dir=None):

@@ -157,7 +157,7 @@ def prefill(model, cache, slots, prompts):
     idx = torch.tensor([prefix + [0] * (T - len(prefix)) for _, prefix in rows], device=device)  # (B, T)
     positions = torch.arange(T, device=device).expand(len(rows), T)  # (B, T): each starts at 0
     row_slots = torch.tensor([slot for slot, _ in rows], device=device)  # (B,)
-    model.forward_cached(idx, positions, cache, row_slots, attention_mask(positions, T))
+    model.forward_cached(idx, positions, cache, row_slots, attention_mask(positions, T), need_logits=False)
 
 
 def decode(model, cache, belt):
@@ -419,8 +419,12 @@ def run_all(model, requests, runs, args, show_belt):
 
 
 def long_tailed(rng, n, mean, cap):
-    """n answer lengths shaped like chat traffic: many short, a long tail (a capped exponential)."""
-    return [min(cap, 1 + int(rng.expovariate(1 / mean))) for _ in range(n)]
+    """n answer lengths shaped like chat traffic, many short and a long tail: the n quantiles of an
+    exponential (capped), as serving benchmarks draw them, in random order. Quantiles rather than
+    random draws, so that the mix is the same for every seed and only the order is left to chance."""
+    lengths = [min(cap, 1 + int(-mean * math.log(1 - (i + 0.5) / n))) for i in range(n)]
+    rng.shuffle(lengths)
+    return lengths
 
 
 def load_model(args):
@@ -506,12 +510,12 @@ def bench(args):
     model = GPT.from_pretrained(args.weights) if args.weights else GPT(TINY if args.quick else GPTConfig())
     model = model.to(args.device, args.dtype).eval()
     rng = random.Random(args.seed)
-    n_requests = args.requests or 6 * args.slots  # a steady stream: many more requests than slots
-    lengths = long_tailed(rng, n_requests, mean=32, cap=256)
-    requests = [Request([rng.randrange(model.config.vocab_size) for _ in range(rng.randint(8, 32))], n,
+    n_requests = args.requests or 16 * args.slots  # a steady stream: many more requests than slots
+    lengths = long_tailed(rng, n_requests, mean=16, cap=128)
+    requests = [Request([rng.randrange(model.config.vocab_size) for _ in range(rng.randint(4, 16))], n,
                         arrival=int(i / args.arrival_rate) if args.arrival_rate else 0)
                 for i, n in enumerate(lengths)]
-    print(f"bench: {n_requests} requests, prompts of 8-32 tokens, answers of {min(lengths)}-{max(lengths)} "
+    print(f"bench: {n_requests} requests, prompts of 4-16 tokens, answers of {min(lengths)}-{max(lengths)} "
           f"(mean {sum(lengths) / n_requests:.1f}) tokens, GPT-2 {model.config.n_layer} layers "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M, {args.device}, {args.dtype}")
     args.eos_id = None  # every answer runs to its drawn length, so real weights see the same workload
@@ -529,7 +533,7 @@ def bench(args):
     print(f"a perfectly full belt (bare decode of {args.slots} slots at position {position}): "
           f"{args.slots / full_step_s:.1f} tokens/s; continuous reached {cont['tokens/s']:.1f}")
     if model.config.block_size >= 1024:
-        short, long = (time_decode_step(model, args.slots, max_len, 100) for max_len in (128, 1024))
+        short, long = (time_decode_step(model, args.slots, max_len, 100, repeats=10) for max_len in (128, 1024))
         print(f"decode step at position 100: {1e3 * short:.1f} ms with max_len=128, "
               f"{1e3 * long:.1f} ms with max_len=1024 ({long / short:.2f}x)")
     peak = (f"{torch.cuda.max_memory_allocated() / 1e6:.0f} MB on the GPU" if args.device.type == "cuda"
@@ -569,7 +573,7 @@ def main(argv=None):
     work.add_argument("--top-k", type=int, help="sample among the k most likely tokens only")
     work.add_argument("--seed", type=int, default=0, help="request i samples with seed + i (0)")
     work.add_argument("--policy", choices=POLICIES, default="continuous", help="for --prompt")
-    work.add_argument("--requests", type=int, help="--bench: how many (default: 6 per slot)")
+    work.add_argument("--requests", type=int, help="--bench: how many (default: 16 per slot)")
     work.add_argument("--arrival-rate", type=float, help="--bench: requests per step (default: all at once)")
     setup = parser.add_argument_group("model and output")
     setup.add_argument("--weights", help="checkpoint directory or file, or gpt2 / gpt2-medium / ... to download")
