@@ -13,7 +13,6 @@ given positions, and attends under a mask that nanobatch.py builds: the caller o
 """
 import json
 import os
-import pickle
 import struct
 import sys
 import urllib.request
@@ -34,7 +33,7 @@ class GPTConfig:
     vocab_size: int = 50257  # 50,000 BPE merges + 256 byte tokens + <|endoftext|>
     n_layer: int = 12  # 12/24/36/48 for the 124M/350M/774M/1558M checkpoints
     n_head: int = 12  # every GPT-2 size has heads of 64 dimensions: n_head = n_embd / 64
-    n_embd: int = 768
+    n_embd: int = 768  # 768/1024/1280/1600: the width that sets the four sizes apart
 
 
 class CausalSelfAttention(nn.Module):
@@ -58,6 +57,7 @@ class CausalSelfAttention(nn.Module):
             # first, so that a token can attend to itself.
             k_cache, v_cache = kv_cache  # each (S, max_len, nh, hs)
             rows = torch.arange(B, device=x.device) if slots is None else slots  # (B,)
+            # rows[:, None] (B, 1) and positions (B, T) pick B*T cells, each taking one (nh, hs) key.
             k_cache[rows[:, None], positions] = k
             v_cache[rows[:, None], positions] = v
             # Read back only the first L positions: attention costs what the longest active
@@ -132,7 +132,7 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # GPT-2 ties output and input embeddings
-        for name, p in self.named_parameters():  # GPT-2's init: a random model's logits look real
+        for name, p in self.named_parameters():  # std 0.02 as GPT-2 (not its scaled residuals)
             if p.dim() == 2:
                 nn.init.normal_(p, mean=0.0, std=0.02)  # linear and embedding weights
             elif name.endswith("bias"):
@@ -159,9 +159,9 @@ class GPT(nn.Module):
         cache      a KVCache
         slots      (B,) the cache slot of each row, or None when row b is slot b for every slot
         attn_mask  (B, T, L) bool: True where token t of row b may see position l of its slot
-        returns    logits (B, V) of each row's last token, all that sampling needs (projecting all T
-                   tokens onto V = 50257 would cost more than the transformer); None when
-                   need_logits is False, for a pass that only fills the cache.
+        returns    logits (B, V) of each row's last token, all that sampling needs (the head costs
+                   768 x 50257 = 39M multiply-adds a token in GPT-2 124M, about half what its 12
+                   blocks cost); None when need_logits is False, for a pass that only fills the cache.
         """
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
@@ -224,7 +224,9 @@ def download_checkpoint(name, cache_dir, timeout=10):
                 percent = f"{100 * done / total:.0f}%" if total else ""
                 print(f"\rdownloading {name}: {done / 1e6:.0f} MB {percent}", end="", file=sys.stderr)
         print(file=sys.stderr)
-    except OSError as e:  # URLError, timeouts and refused connections are all OSErrors
+        if total and done != total:  # a dropped connection can end the stream early, silently
+            raise OSError(f"got {done} of {total} bytes")
+    except OSError as e:  # URLError, timeouts, refused and dropped connections are all OSErrors
         partial.unlink(missing_ok=True)
         raise ConnectionError(f"could not download {name} from {url} ({e}): offline? "
                               f"Pass a local checkpoint instead") from None
@@ -245,6 +247,8 @@ def read_safetensors(path):
             header.pop("__metadata__", None)
             for name, info in header.items():
                 begin, end = info["data_offsets"]
+                if not (isinstance(begin, int) and isinstance(end, int)):
+                    raise TypeError(f"tensor {name} has data_offsets {info['data_offsets']}, not integers")
                 entries[name] = (SAFETENSORS_DTYPES[info["dtype"]], torch.Size(info["shape"]), begin, end)
         except (ValueError, KeyError, TypeError, AttributeError) as e:  # bad JSON, field or dtype
             raise ValueError(f"{path}: corrupt safetensors header ({type(e).__name__}: {e})") from None
@@ -255,8 +259,9 @@ def read_safetensors(path):
                 raise ValueError(f"{path}: tensor {name} claims bytes {begin}..{end}, which do not fit its "
                                  f"shape {list(shape)} or the file (truncated?)")
             f.seek(data_start + begin)
-            raw = bytearray(f.read(n_bytes))  # torch.frombuffer wants writable memory
-            tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape) if n_bytes else torch.empty(shape, dtype=dtype)
+            raw = bytearray(f.read(n_bytes))  # torch.frombuffer wants writable, non-empty memory
+            tensors[name] = (torch.frombuffer(raw, dtype=dtype).reshape(shape) if n_bytes
+                             else torch.empty(shape, dtype=dtype))
     return tensors
 
 
@@ -264,8 +269,8 @@ def read_bin(path):
     """Tensors of a pytorch_model.bin; weights_only=True unpickles tensors and never runs code."""
     try:
         tensors = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
-        raise ValueError(f"{path}: not a readable PyTorch checkpoint ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # torch raises many kinds for truncated, foreign or unsafe files
+        raise ValueError(f"{path}: not a PyTorch checkpoint of plain tensors ({type(e).__name__})") from None
     if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
         raise ValueError(f"{path}: expected a dict of named tensors")
     return tensors
@@ -274,14 +279,20 @@ def read_bin(path):
 def config_from_tensors(tensors, path):
     """The sizes, read off the tensors themselves: they cannot disagree with the weights."""
     tensors = {name.removeprefix("transformer."): t for name, t in tensors.items()}
-    if "wte.weight" not in tensors or "wpe.weight" not in tensors:
-        raise ValueError(f"{path}: no wte.weight or wpe.weight, so not a GPT-2 checkpoint")
-    (vocab_size, n_embd), block_size = tensors["wte.weight"].shape, tensors["wpe.weight"].shape[0]
+    wte, wpe = tensors.get("wte.weight"), tensors.get("wpe.weight")
+    if wte is None or wpe is None or wte.dim() != 2 or wpe.dim() != 2:
+        raise ValueError(f"{path}: no 2-D wte.weight and wpe.weight, so not a GPT-2 checkpoint")
+    (vocab_size, n_embd), block_size = wte.shape, wpe.shape[0]
     n_layer = len({name.split(".")[1] for name in tensors if name.startswith("h.")})
     # Only the head count is in no shape: config.json says it, or else GPT-2's heads of 64 do.
-    config_file = path.parent / "config.json"
-    n_head = json.loads(config_file.read_text()).get("n_head") if config_file.is_file() else None
-    n_head = n_head or n_embd // 64
+    n_head, config_file = n_embd // 64, path.parent / "config.json"
+    if config_file.is_file():
+        try:
+            n_head = json.loads(config_file.read_text()).get("n_head", n_head)
+        except (ValueError, AttributeError) as e:  # not JSON, or not a JSON object
+            raise ValueError(f"{config_file}: unreadable ({type(e).__name__}: {e})") from None
+    if not (isinstance(n_head, int) and n_head > 0 and n_embd % n_head == 0):
+        raise ValueError(f"{path}: n_head={n_head!r} does not divide n_embd={n_embd}")
     return GPTConfig(block_size, vocab_size, n_layer, n_head, n_embd)
 
 
@@ -292,6 +303,8 @@ def load_hf_tensors(model, tensors, path):
         name = name.removeprefix("transformer.")  # the hub has checkpoints with and without it
         if name.endswith((".attn.bias", ".attn.masked_bias")):
             continue  # causal-mask buffers, not weights: our attention builds its own mask
+        if name in found:
+            raise ValueError(f"{path}: tensor {name} appears twice, with and without 'transformer.'")
         found[name] = tensor
     lm_head = found.pop("lm_head.weight", None)
     if lm_head is not None and not torch.equal(lm_head, found.get("wte.weight", lm_head)):

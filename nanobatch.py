@@ -18,7 +18,6 @@ import argparse
 import math
 import os
 import random
-import resource
 import string
 import sys
 import time
@@ -30,6 +29,7 @@ import torch
 from model import GPT, GPTConfig, default_cache_dir
 
 POLICIES = ("continuous", "static")
+EOT = 50256  # <|endoftext|>: GPT-2 ends a text with it
 
 
 @dataclass
@@ -53,7 +53,8 @@ class Completion:
 
 
 # ---------------------------------------------------------------------------------------------
-# Sampling and stopping: one rule each, shared by the engine and the sequential reference.
+# Sampling and stopping, one rule each, shared by the engine and the sequential reference;
+# and checking the input, so that nothing fails halfway.
 
 
 def new_sampler(request, device):
@@ -71,6 +72,7 @@ def sample(logits, request, generator):
     if request.temperature == 0:
         return int(logits.argmax())
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # no softmax in 16 bits
+    logits = logits - logits.max()  # the largest is 0, so a tiny temperature cannot overflow
     if request.top_k is not None:
         kth_largest = torch.topk(logits, min(request.top_k, logits.size(-1))).values[-1]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -94,28 +96,28 @@ def check_arguments(model, requests, n_slots, max_len, eos_id, policy):
     V, block_size = model.config.vocab_size, model.config.block_size
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    if n_slots < 1:
-        raise ValueError(f"n_slots must be >= 1, got {n_slots}")
-    if not 2 <= max_len <= block_size:
+    if not (isinstance(n_slots, int) and n_slots >= 1):
+        raise ValueError(f"n_slots must be an int >= 1, got {n_slots!r}")
+    if not (isinstance(max_len, int) and 2 <= max_len <= block_size):
         raise ValueError(f"max_len must be in 2..{block_size} (the model's block_size), got {max_len}")
     if eos_id is not None and not 0 <= eos_id < V:
         raise ValueError(f"eos_id must be a token id in 0..{V - 1} or None, got {eos_id}")
     for i, r in enumerate(requests):
-        if len(r.prompt) == 0:
-            raise ValueError(f"requests[{i}].prompt is empty: it needs at least one token")
+        if not isinstance(r.prompt, list) or len(r.prompt) == 0:
+            raise ValueError(f"requests[{i}].prompt must be a non-empty list of token ids, got {r.prompt!r}")
         if bad := [t for t in r.prompt if not (isinstance(t, int) and 0 <= t < V)]:
             raise ValueError(f"requests[{i}].prompt has token id {bad[0]!r} outside the vocabulary 0..{V - 1}")
         if len(r.prompt) >= max_len:
             raise ValueError(f"requests[{i}].prompt has {len(r.prompt)} tokens, which leaves no room in "
                              f"max_len={max_len}: at most {max_len - 1} fit")
-        if r.max_new_tokens < 1:
-            raise ValueError(f"requests[{i}].max_new_tokens must be >= 1, got {r.max_new_tokens}")
-        if not r.temperature >= 0:  # written so that NaN fails too
-            raise ValueError(f"requests[{i}].temperature must be >= 0, got {r.temperature}")
-        if r.top_k is not None and r.top_k < 1:
-            raise ValueError(f"requests[{i}].top_k must be >= 1 or None, got {r.top_k}")
-        if r.arrival < 0:
-            raise ValueError(f"requests[{i}].arrival must be >= 0, got {r.arrival}")
+        if not (isinstance(r.max_new_tokens, int) and r.max_new_tokens >= 1):
+            raise ValueError(f"requests[{i}].max_new_tokens must be an int >= 1, got {r.max_new_tokens!r}")
+        if not (math.isfinite(r.temperature) and r.temperature >= 0):
+            raise ValueError(f"requests[{i}].temperature must be finite and >= 0, got {r.temperature}")
+        if r.top_k is not None and not (isinstance(r.top_k, int) and r.top_k >= 1):
+            raise ValueError(f"requests[{i}].top_k must be an int >= 1 or None, got {r.top_k!r}")
+        if not (isinstance(r.arrival, int) and r.arrival >= 0):
+            raise ValueError(f"requests[{i}].arrival must be an int >= 0, got {r.arrival!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,11 +169,16 @@ def decode(model, cache, belt):
     feeds token 0 at position 0 and its row is ignored: that row is the waste occupancy counts.
     """
     device = cache.kv.device
-    positions = [run.position if run else 0 for run in belt]
-    L = max(positions) + 1  # attend over the longest active sequence, not over max_len
+    slot_positions = [run.position if run else 0 for run in belt]
+    L = max(slot_positions) + 1  # attend over the longest active sequence, not over max_len
     idx = torch.tensor([[run.newest_token] if run else [0] for run in belt], device=device)  # (S, 1)
-    positions = torch.tensor(positions, device=device)[:, None]  # (S, 1)
+    positions = torch.tensor(slot_positions, device=device)[:, None]  # (S, 1)
     return model.forward_cached(idx, positions, cache, None, attention_mask(positions, L))
+
+
+def synchronize(device):
+    if device.type == "cuda":  # GPU work is queued, not done, when Python moves on
+        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +188,7 @@ def decode(model, cache, belt):
 @dataclass
 class Running:
     """A request in a slot: the per-slot state the loop keeps."""
-    index: int  # position of the request in the caller's list
+    request_index: int  # position of the request in the caller's list
     request: Request
     sampler: torch.Generator
     admit_step: int
@@ -200,12 +207,20 @@ class Running:
 @dataclass
 class StepReport:
     step: int
-    belt: str  # one character per slot: the request's letter, '.' when the slot does no work
+    belt: str  # one character per slot: the request's letter, '.' when it does no useful work
     n_running: int  # slots that produced a token this step
     n_waiting: int  # arrived requests still queued
     admitted: list[int]  # request indices prefilled this step
     finished: list[tuple[int, Completion]]  # (request index, its completion)
     model_s: float  # seconds spent in the model's forward passes this step
+
+
+LETTERS = string.ascii_uppercase + string.ascii_lowercase
+
+
+def belt_picture(belt):
+    """One character per slot: the letter of the request in it, or '.' for an empty slot."""
+    return "".join(LETTERS[run.request_index % len(LETTERS)] if run else "." for run in belt)
 
 
 def slots_to_fill(belt, policy):
@@ -217,7 +232,7 @@ def slots_to_fill(belt, policy):
     return free
 
 
-def generate(model, requests, *, n_slots=8, max_len=None, eos_id=50256, policy="continuous",
+def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="continuous",
              on_step=None):
     """Serve every request through a belt of n_slots; returns their Completions in request order.
 
@@ -235,8 +250,9 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=50256, policy="
     step, n_done = 0, 0
     with torch.no_grad():
         while n_done < len(requests):
-            if not any(belt) and not waiting:
-                step = max(step, requests[pending[0]].arrival)  # idle: jump to the next arrival
+            # 0) Nothing running and nothing waiting: jump the clock to the next arrival.
+            if all(run is None for run in belt) and not waiting:
+                step = max(step, requests[pending[0]].arrival)
             # 1) Arrivals join the queue.
             step_started = time.perf_counter()
             while pending and requests[pending[0]].arrival <= step:
@@ -244,18 +260,18 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=50256, policy="
                 waiting.append(pending.popleft())
             # 2) Admit waiting requests into free slots, and prefill their prompts together.
             model_start = time.perf_counter()
-            admitted = []
+            admitted_slots = []
             for slot in slots_to_fill(belt, policy)[:len(waiting)]:
                 i = waiting.popleft()
                 belt[slot] = Running(i, requests[i], new_sampler(requests[i], device), admit_step=step)
                 cache.clear(slot)
-                admitted.append(slot)
-            prefill(model, cache, admitted, [belt[slot].request.prompt for slot in admitted])
+                admitted_slots.append(slot)
+            prefill(model, cache, admitted_slots, [belt[slot].request.prompt for slot in admitted_slots])
             # 3) Decode: one new token for every running request.
             logits = decode(model, cache, belt)  # (S, V)
             synchronize(device)  # sampling would wait for the GPU anyway; this makes model_s true
             model_s = time.perf_counter() - model_start
-            finished = []
+            finished_slots = []
             for slot, run in enumerate(belt):
                 if run is None:
                     continue
@@ -264,37 +280,26 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=50256, policy="
                 if run.first_token_time is None:
                     run.first_token_time = now
                 if reason := stop_reason(run.request, run.tokens, max_len, eos_id):
-                    arrived = arrived_at[run.index]
-                    completions[run.index] = Completion(run.tokens, reason, run.admit_step, step,
-                                                        run.first_token_time - arrived, now - arrived)
-                    finished.append((slot, run.index))
+                    arrived = arrived_at[run.request_index]
+                    completions[run.request_index] = Completion(run.tokens, reason, run.admit_step, step,
+                                                                run.first_token_time - arrived, now - arrived)
+                    finished_slots.append(slot)
             # 4) Report the step: the belt as it ran, and who came and went.
             if on_step is not None:
+                admitted = [belt[slot].request_index for slot in admitted_slots]
+                finished = [(belt[slot].request_index, completions[belt[slot].request_index])
+                            for slot in finished_slots]
                 on_step(StepReport(step, belt_picture(belt), sum(run is not None for run in belt),
-                                   len(waiting), [belt[slot].index for slot in admitted],
-                                   [(i, completions[i]) for _, i in finished], model_s))
+                                   len(waiting), admitted, finished, model_s))
             # 5) Retire finished requests: their slots are free from the next step on.
-            for slot, _ in finished:
+            for slot in finished_slots:
                 belt[slot] = None
-            n_done += len(finished)
+            n_done += len(finished_slots)
             step += 1
     return completions
 
 
-LETTERS = string.ascii_uppercase + string.ascii_lowercase
-
-
-def belt_picture(belt):
-    """One character per slot: the letter of the request in it, or '.' for an empty slot."""
-    return "".join(LETTERS[run.index % len(LETTERS)] if run else "." for run in belt)
-
-
-def synchronize(device):
-    if device.type == "cuda":  # GPU work is queued, not done, when Python moves on
-        torch.cuda.synchronize(device)
-
-
-def generate_sequential(model, requests, *, max_len=None, eos_id=50256):
+def generate_sequential(model, requests, *, max_len=None, eos_id=EOT):
     """The reference: one request at a time, the plain no-cache forward over the whole sequence
     for every token. Slow (quadratic) and plainly right. Its clock counts steps as a one-slot belt
     would: one token per step, requests first come, first served."""
@@ -337,9 +342,16 @@ def summarize(requests, completions, wall_s, model_s, n_slots):
     """The figures of one run, from its completions (None for a request not finished)."""
     done = [(r, c) for r, c in zip(requests, completions) if c is not None]
     busy_steps = set().union(*(range(c.admit_step, c.finish_step + 1) for _, c in done))
-    queued_steps = set().union(*(range(r.arrival, c.admit_step) for r, c in done))
+    queued_steps = set().union(*(range(r.arrival, c.admit_step) for r, c in done))  # someone waited
     n_tokens = sum(len(c.tokens) for _, c in done)
-    p50_p99 = lambda values: (percentile(values, 50), percentile(values, 99))  # noqa: E731
+
+    def n_running_at(step):
+        return sum(c.admit_step <= step <= c.finish_step for _, c in done)
+
+    def p50_p99(values):
+        return percentile(values, 50), percentile(values, 99)
+
+    n_running_while_queued = sum(n_running_at(step) for step in queued_steps)
     return {
         "steps": len(busy_steps),
         "generated tokens": n_tokens,
@@ -347,8 +359,7 @@ def summarize(requests, completions, wall_s, model_s, n_slots):
         "tokens/s": n_tokens / wall_s,
         # Each running slot makes one token per step, so tokens / (steps * slots) = useful rows.
         "mean occupancy": n_tokens / (len(busy_steps) * n_slots),
-        "occupancy while queued": sum(c.admit_step <= t <= c.finish_step for t in queued_steps for _, c in done)
-                                  / (len(queued_steps) * n_slots) if queued_steps else float("nan"),
+        "occupancy while queued": n_running_while_queued / (len(queued_steps) * n_slots) if queued_steps else None,
         "latency P50/P99 (steps)": p50_p99([c.finish_step - r.arrival + 1 for r, c in done]),
         "latency P50/P99 (s)": p50_p99([c.latency_s for _, c in done]),
         "TTFT P50/P99 (steps)": p50_p99([c.admit_step - r.arrival + 1 for r, c in done]),
@@ -366,7 +377,8 @@ def print_table(summaries):
     print(f"\n{'':24}" + "".join(f"{name:>16}" for name in summaries))
     for row in next(iter(summaries.values())):
         values = [summary[row] for summary in summaries.values()]
-        cells = [f"{v:.0%}" if "occupancy" in row or "outside" in row else cell(v) for v in values]
+        cells = ["-" if v is None else f"{v:.0%}" if "occupancy" in row or "outside" in row else cell(v)
+                 for v in values]
         print(f"{row:24}" + "".join(f"{c:>16}" for c in cells))
 
 
@@ -378,10 +390,12 @@ def print_step(report):
           f"waiting {report.n_waiting:3d}  {' '.join(events)}", flush=True)
 
 
-def run_all(model, requests, runs, args, show_belt):
+def run_all(model, requests, runs, args, eos_id, show_belt):
     """Serve the same requests once per (name, n_slots, policy) in runs -> summaries, completions.
     Ctrl-C prints the summary so far and exits 130."""
     summaries, completions = {}, {}
+    for _, n_slots, policy in runs:  # refuse bad input before printing anything
+        check_arguments(model, requests, n_slots, args.max_len or model.config.block_size, eos_id, policy)
     for name, n_slots, policy in runs:
         finished, start, model_s = [None] * len(requests), time.perf_counter(), 0.0
 
@@ -399,16 +413,19 @@ def run_all(model, requests, runs, args, show_belt):
             print(f"\n== {name}: {len(requests)} requests, {n_slots} slots "
                   f"(letter: the request in that slot; '.': a slot doing no useful work)")
         try:
-            generate(model, requests, n_slots=n_slots, max_len=args.max_len, eos_id=args.eos_id,
-                     policy=policy, on_step=on_step)
+            generate(model, requests, n_slots=n_slots, max_len=args.max_len, eos_id=eos_id, policy=policy,
+                     on_step=on_step)
         except KeyboardInterrupt:
+            n_finished = sum(c is not None for c in finished)
+            print(f"\ninterrupted: figures for the {n_finished} requests finished so far")
             if any(finished):
                 summaries[name + " (cut)"] = summarize(requests, finished, time.perf_counter() - start,
                                                        model_s, n_slots)
                 print_table(summaries)
             sys.exit(130)
         if not show_belt:
-            print(f"\r{name}: {len(requests)} requests in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+            seconds = time.perf_counter() - start
+            print(f"\r{name}: {len(requests)} requests in {seconds:.1f} s", file=sys.stderr)
         summaries[name] = summarize(requests, finished, time.perf_counter() - start, model_s, n_slots)
         completions[name] = finished
     return summaries, completions
@@ -419,9 +436,9 @@ def run_all(model, requests, runs, args, show_belt):
 
 
 def long_tailed(rng, n, mean, cap):
-    """n answer lengths shaped like chat traffic, many short and a long tail: the n quantiles of an
-    exponential (capped), as serving benchmarks draw them, in random order. Quantiles rather than
-    random draws, so that the mix is the same for every seed and only the order is left to chance."""
+    """n answer lengths shaped like chat traffic, many short and a long tail: the n quantiles of a
+    capped exponential, in random order. Quantiles rather than random draws, so that the mix is the
+    same for every seed and only the order is left to chance."""
     lengths = [min(cap, 1 + int(-mean * math.log(1 - (i + 0.5) / n))) for i in range(n)]
     rng.shuffle(lengths)
     return lengths
@@ -462,16 +479,20 @@ DEMO_PROMPTS = ["The capital of France is", "Once upon a time, in a small villag
 
 def demo(args):
     """A mixed workload through continuous, then static batching, the belt on screen."""
-    rng = random.Random(args.seed)
     model, tokenizer = (None, None) if args.quick else (load_model(args), load_tokenizer())
-    if model is None:
+    if args.quick:
+        print("nanobatch --quick: a tiny randomly initialised GPT-2 on random tokens")
+    elif model is None:
         print(f"nanobatch: no GPT-2 weights here (offline, none in {default_cache_dir()}), so this is a "
-              f"randomly initialised GPT-2 ({'tiny' if args.quick else '124M'}) on random tokens: the "
-              f"scheduling is identical, text would be noise. Real text: run once online, or --weights PATH.")
+              f"randomly initialised GPT-2 124M on random tokens: the loop runs exactly as with real "
+              f"weights, but text would be noise. Real text: run once online, or --weights PATH.")
+    if model is None:
         torch.manual_seed(args.seed)
         model = GPT(TINY if args.quick else GPTConfig())
     model = model.to(args.device, args.dtype).eval()
     n_requests, first_wave = 32, args.slots + args.slots // 2
+    lengths = long_tailed(random.Random(args.seed), n_requests, mean=16, cap=64)  # whatever the weights
+    rng = random.Random(args.seed + 1)
     if tokenizer and model.config.vocab_size == tokenizer.n_vocab:
         prompts = [tokenizer.encode(DEMO_PROMPTS[i % len(DEMO_PROMPTS)]) for i in range(n_requests)]
     else:
@@ -480,10 +501,10 @@ def demo(args):
                    for _ in range(n_requests)]
     # A first wave fills the belt and queues up; the rest arrive, one every other step, while it runs.
     requests = [Request(prompt, max_new, args.temperature, args.top_k, seed=args.seed + i,
-                        arrival=max(0, 2 * (i - first_wave)))
-                for i, (prompt, max_new) in enumerate(zip(prompts, long_tailed(rng, n_requests, 16, 64)))]
+                        arrival=0 if i < first_wave else 2 * (i - first_wave + 1))
+                for i, (prompt, max_new) in enumerate(zip(prompts, lengths))]
     runs = [(policy, args.slots, policy) for policy in POLICIES]
-    summaries, completions = run_all(model, requests, runs, args, show_belt=not args.quiet)
+    summaries, completions = run_all(model, requests, runs, args, EOT, show_belt=not args.quiet)
     print_table(summaries)
     if tokenizer:
         print_texts(tokenizer, requests, completions["continuous"])
@@ -498,7 +519,7 @@ def prompt_mode(args):
     model = model.to(args.device, args.dtype).eval()
     requests = [Request(tokenizer.encode(text), args.max_new_tokens, args.temperature, args.top_k,
                         seed=args.seed + i) for i, text in enumerate(args.prompt)]
-    summaries, completions = run_all(model, requests, [(args.policy, args.slots, args.policy)], args,
+    summaries, completions = run_all(model, requests, [(args.policy, args.slots, args.policy)], args, EOT,
                                      show_belt=not args.quiet)
     print_texts(tokenizer, requests, completions[args.policy])
     print_table(summaries)
@@ -518,10 +539,10 @@ def bench(args):
     print(f"bench: {n_requests} requests, prompts of 4-16 tokens, answers of {min(lengths)}-{max(lengths)} "
           f"(mean {sum(lengths) / n_requests:.1f}) tokens, GPT-2 {model.config.n_layer} layers "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M, {args.device}, {args.dtype}")
-    args.eos_id = None  # every answer runs to its drawn length, so real weights see the same workload
     runs = [("continuous", args.slots, "continuous"), ("static", args.slots, "static"),
             ("sequential", 1, "continuous")]
-    summaries, _ = run_all(model, requests, runs, args, show_belt=False)
+    # eos_id=None: every answer runs to its drawn length, so real weights see the same workload.
+    summaries, _ = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
     print_table(summaries)
     cont, stat, seq = summaries["continuous"], summaries["static"], summaries["sequential"]
     print(f"\nsteps static / continuous:        {stat['steps'] / cont['steps']:.2f}x")
@@ -536,10 +557,18 @@ def bench(args):
         short, long = (time_decode_step(model, args.slots, max_len, 100, repeats=10) for max_len in (128, 1024))
         print(f"decode step at position 100: {1e3 * short:.1f} ms with max_len=128, "
               f"{1e3 * long:.1f} ms with max_len=1024 ({long / short:.2f}x)")
-    peak = (f"{torch.cuda.max_memory_allocated() / 1e6:.0f} MB on the GPU" if args.device.type == "cuda"
-            else f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB resident")
-    print(f"KV cache: {model.new_cache(args.slots, model.config.block_size).nbytes / 1e6:.0f} MB, made once "
-          f"per run; peak memory of the whole process: {peak}")
+    config, max_len = model.config, args.max_len or model.config.block_size
+    cache_bytes = config.n_layer * 2 * args.slots * max_len * config.n_embd * args.dtype.itemsize
+    if args.device.type == "cuda":
+        peak = f"{torch.cuda.max_memory_allocated() / 1e6:.0f} MB on the GPU"
+    else:
+        try:
+            import resource  # Unix only
+            peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB resident"
+        except ImportError:
+            peak = "not measured here"
+    print(f"KV cache: {cache_bytes / 1e6:.1f} MB ({args.slots} slots x {max_len} positions), made once per "
+          f"run; peak memory of the whole process: {peak}")
 
 
 def time_decode_step(model, n_slots, max_len, position, repeats=5):
@@ -596,13 +625,22 @@ def main(argv=None):
             fail(f"{flag} must be >= 1, got {value}")
     if args.arrival_rate is not None and not args.arrival_rate > 0:
         fail(f"--arrival-rate must be > 0, got {args.arrival_rate}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        fail(f"--temperature must be finite and >= 0, got {args.temperature}")
+    if args.max_len is not None and args.max_len < 2:
+        fail(f"--max-len must be >= 2, got {args.max_len}")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        args.device, args.dtype, args.eos_id = torch.device(args.device), getattr(torch, args.dtype), 50256
+        args.device, args.dtype = torch.device(args.device), getattr(torch, args.dtype)
         if args.device.type == "cuda" and not torch.cuda.is_available():
             fail("--device cuda, but this torch sees no CUDA GPU")
-        demo(args) if args.demo else bench(args) if args.bench else prompt_mode(args)
+        if args.demo:
+            demo(args)
+        elif args.bench:
+            bench(args)
+        else:
+            prompt_mode(args)
     except (ValueError, OSError, RuntimeError) as e:  # bad input, missing or corrupt files, offline
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
 

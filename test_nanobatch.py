@@ -506,6 +506,45 @@ def test_corrupt_safetensors_are_refused(tmp_path, damage):
         GPT.from_pretrained(path)
 
 
+@pytest.mark.parametrize("damage", ["empty .bin", "text .bin", "pickled code", "both key layouts",
+                                    "config.json garbled", "n_head does not divide n_embd"])
+def test_other_bad_checkpoints_are_refused(saved, tmp_path, damage):
+    """More ways a checkpoint can be wrong, each a ValueError with the path in it, never a traceback
+    from deep inside torch, and never code run from the file."""
+    tensors = hf_tensors(saved)
+    path = tmp_path / "pytorch_model.bin"
+    if damage == "empty .bin":
+        path.write_bytes(b"")
+    elif damage == "text .bin":
+        path.write_text("hello world")
+    elif damage == "pickled code":  # weights_only=True must refuse to call anything
+        torch.save({"wte.weight": torch.zeros(2, 2), "trap": Trap()}, path)
+    else:
+        path = tmp_path / "model.safetensors"
+        if damage == "both key layouts":
+            tensors["transformer.h.0.ln_1.weight"] = torch.zeros_like(tensors["h.0.ln_1.weight"])
+        write_safetensors(path, tensors)
+        if damage == "config.json garbled":
+            (tmp_path / "config.json").write_text("{n_head: 4")
+        elif damage == "n_head does not divide n_embd":
+            (tmp_path / "config.json").write_text(json.dumps({"n_head": 3}))
+    with pytest.raises(ValueError, match=str(tmp_path)):
+        GPT.from_pretrained(path)
+    assert not Trap.called, "loading ran code from the file"
+
+
+class Trap:
+    """Unpickling this calls Trap.spring: a stand-in for code hidden in a checkpoint."""
+    called = False
+
+    def __reduce__(self):
+        return (Trap.spring, ())
+
+    @staticmethod
+    def spring():
+        Trap.called = True
+
+
 def test_missing_checkpoint(tmp_path):
     """A path that is not there, or a directory without weights, is a FileNotFoundError."""
     with pytest.raises(FileNotFoundError):
@@ -541,13 +580,21 @@ class DroppedConnection(io.BytesIO):
         return super().read(10)
 
 
-@pytest.mark.parametrize("failure", ["no network", "dropped midway"])
+class EndedEarly(DroppedConnection):
+    """A response that delivers 10 of its 1000 bytes, then ends as if complete: http.client does
+    exactly this when the server closes the connection early, without raising anything."""
+
+    def read(self, size=-1):
+        return b"" if self.tell() else super().read(10)
+
+
+@pytest.mark.parametrize("failure", ["no network", "dropped midway", "ended early"])
 def test_failed_download(tmp_path, monkeypatch, failure):
     """Offline, or cut off halfway: a one-line ConnectionError, and no file, partial or whole, left."""
     def urlopen(url, timeout=None):
         if failure == "no network":
             raise urllib.error.URLError("Name or service not known")
-        return DroppedConnection(b"x" * 1000)
+        return (DroppedConnection if failure == "dropped midway" else EndedEarly)(b"x" * 1000)
 
     monkeypatch.setattr(urllib.request, "urlopen", urlopen)
     with pytest.raises(ConnectionError) as error:
