@@ -186,7 +186,8 @@ HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # the four release
 HF_URL = "https://huggingface.co/openai-community/{name}/resolve/main/model.safetensors"
 # GPT-2 was written with Conv1D layers, which store weights as (in, out); nn.Linear wants (out, in).
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32,
+                      "F16": torch.float16, "BF16": torch.bfloat16}
 MAX_HEADER_BYTES = 100_000_000  # a real header is kilobytes; a corrupt length must not eat memory
 
 
@@ -200,7 +201,8 @@ def find_checkpoint(source, cache_dir):
         return download_checkpoint(source, cache_dir)
     path = Path(source)
     if path.is_dir():
-        path = next((p for p in (path / "model.safetensors", path / "pytorch_model.bin") if p.is_file()), None)
+        weights = (path / "model.safetensors", path / "pytorch_model.bin")
+        path = next((p for p in weights if p.is_file()), None)
         if path is None:
             raise FileNotFoundError(f"{source}: holds neither model.safetensors nor pytorch_model.bin")
     elif not path.is_file():
@@ -310,7 +312,8 @@ def load_hf_tensors(model, tensors, path):
     if lm_head is not None and not torch.equal(lm_head, found.get("wte.weight", lm_head)):
         raise ValueError(f"{path}: lm_head.weight differs from wte.weight, but GPT-2 ties them")
     expected = {name.removeprefix("transformer."): p for name, p in model.named_parameters()}
-    for problem, names in [("missing", expected.keys() - found.keys()), ("unexpected", found.keys() - expected.keys())]:
+    missing, unexpected = expected.keys() - found.keys(), found.keys() - expected.keys()
+    for problem, names in [("missing", missing), ("unexpected", unexpected)]:
         if names:
             raise ValueError(f"{path}: {len(names)} {problem} tensors, e.g. {sorted(names)[:3]}")
     with torch.no_grad():

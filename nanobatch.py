@@ -106,7 +106,8 @@ def check_arguments(model, requests, n_slots, max_len, eos_id, policy):
         if not isinstance(r.prompt, list) or len(r.prompt) == 0:
             raise ValueError(f"requests[{i}].prompt must be a non-empty list of token ids, got {r.prompt!r}")
         if bad := [t for t in r.prompt if not (isinstance(t, int) and 0 <= t < V)]:
-            raise ValueError(f"requests[{i}].prompt has token id {bad[0]!r} outside the vocabulary 0..{V - 1}")
+            raise ValueError(f"requests[{i}].prompt has token id {bad[0]!r}, outside the vocabulary "
+                             f"0..{V - 1}")
         if len(r.prompt) >= max_len:
             raise ValueError(f"requests[{i}].prompt has {len(r.prompt)} tokens, which leaves no room in "
                              f"max_len={max_len}: at most {max_len - 1} fit")
@@ -359,7 +360,8 @@ def summarize(requests, completions, wall_s, model_s, n_slots):
         "tokens/s": n_tokens / wall_s,
         # Each running slot makes one token per step, so tokens / (steps * slots) = useful rows.
         "mean occupancy": n_tokens / (len(busy_steps) * n_slots),
-        "occupancy while queued": n_running_while_queued / (len(queued_steps) * n_slots) if queued_steps else None,
+        "occupancy while queued": (n_running_while_queued / (len(queued_steps) * n_slots)
+                                   if queued_steps else None),
         "latency P50/P99 (steps)": p50_p99([c.finish_step - r.arrival + 1 for r, c in done]),
         "latency P50/P99 (s)": p50_p99([c.latency_s for _, c in done]),
         "TTFT P50/P99 (steps)": p50_p99([c.admit_step - r.arrival + 1 for r, c in done]),
@@ -472,7 +474,8 @@ def print_texts(tokenizer, requests, completions):
 
 TINY = GPTConfig(n_layer=2, n_head=4, n_embd=64)  # --quick: the same loop in seconds
 DEMO_PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
-                "The three primary colors are", "My favourite recipe for pancakes", "In 1969, the first humans",
+                "The three primary colors are", "My favourite recipe for pancakes",
+                "In 1969, the first humans",
                 "The quick brown fox", "Dear hiring manager,", "The best way to learn a language is",
                 "Q: What is continuous batching?\nA:", "The weather today is", "Breaking news:"]
 
@@ -554,7 +557,8 @@ def bench(args):
     print(f"a perfectly full belt (bare decode of {args.slots} slots at position {position}): "
           f"{args.slots / full_step_s:.1f} tokens/s; continuous reached {cont['tokens/s']:.1f}")
     if model.config.block_size >= 1024:
-        short, long = (time_decode_step(model, args.slots, max_len, 100, repeats=10) for max_len in (128, 1024))
+        short, long = (time_decode_step(model, args.slots, max_len, position=100, repeats=10)
+                       for max_len in (128, 1024))
         print(f"decode step at position 100: {1e3 * short:.1f} ms with max_len=128, "
               f"{1e3 * long:.1f} ms with max_len=1024 ({long / short:.2f}x)")
     config, max_len = model.config, args.max_len or model.config.block_size
@@ -605,7 +609,7 @@ def main(argv=None):
     work.add_argument("--requests", type=int, help="--bench: how many (default: 16 per slot)")
     work.add_argument("--arrival-rate", type=float, help="--bench: requests per step (default: all at once)")
     setup = parser.add_argument_group("model and output")
-    setup.add_argument("--weights", help="checkpoint directory or file, or gpt2 / gpt2-medium / ... to download")
+    setup.add_argument("--weights", help="checkpoint directory or file, or gpt2, gpt2-medium, ... to download")
     setup.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when present)")
     setup.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], default="float32")
     setup.add_argument("--quick", action="store_true", help="--demo/--bench on a tiny model, in seconds")
