@@ -216,12 +216,15 @@ class StepReport:
     model_s: float  # seconds spent in the model's forward passes this step
 
 
-LETTERS = string.ascii_uppercase + string.ascii_lowercase
+def letter(request_index):
+    """The request's name on screen: A-Z, then a-z, then A again."""
+    letters = string.ascii_uppercase + string.ascii_lowercase
+    return letters[request_index % len(letters)]
 
 
 def belt_picture(belt):
     """One character per slot: the letter of the request in it, or '.' for an empty slot."""
-    return "".join(LETTERS[run.request_index % len(LETTERS)] if run else "." for run in belt)
+    return "".join(letter(run.request_index) if run else "." for run in belt)
 
 
 def slots_to_fill(belt, policy):
@@ -386,8 +389,8 @@ def print_table(summaries):
 
 def print_step(report):
     """One line per step; read down the screen, the columns are the belt moving."""
-    events = [f"+{LETTERS[i % len(LETTERS)]}" for i in report.admitted]
-    events += [f"-{LETTERS[i % len(LETTERS)]}({c.finish_reason},{len(c.tokens)})" for i, c in report.finished]
+    events = [f"+{letter(i)}" for i in report.admitted]
+    events += [f"-{letter(i)}({c.finish_reason},{len(c.tokens)})" for i, c in report.finished]
     print(f"step {report.step:4d} |{report.belt}| {report.n_running:2d}/{len(report.belt)} "
           f"waiting {report.n_waiting:3d}  {' '.join(events)}", flush=True)
 
@@ -468,7 +471,7 @@ def load_tokenizer():
 
 def print_texts(tokenizer, requests, completions):
     for i, (request, completion) in enumerate(zip(requests, completions)):
-        print(f"{LETTERS[i % len(LETTERS)]} ({completion.finish_reason}): "
+        print(f"{letter(i)} ({completion.finish_reason}): "
               f"{tokenizer.decode(request.prompt)!r} -> {tokenizer.decode(completion.tokens)!r}")
 
 
