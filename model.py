@@ -1,15 +1,17 @@
 """
 GPT-2 from scratch, with a KV cache preallocated for a fixed number of slots.
 
-Shape legend, used in every comment below:
-    B  rows in this forward pass        T  new tokens per row
-    S  cache slots                      L  cache positions attended over (longest active sequence)
+Shape legend, used in every comment below and in nanobatch.py:
+    B  sequences in a batch             T  tokens per sequence (or in one prompt chunk)
+    M  tokens packed into one step      D  of them one-token rows (decode), one per slot
+    S  cache slots                      L  cache positions attended over
     C  embedding size (n_embd)          nh heads, hs head size (C = nh * hs)
-    V  vocabulary size
+    V  vocabulary size                  R  rows whose logits are wanted
 
 `GPT.forward(idx)` is the textbook causal forward with no cache: the reference for everything else.
-`GPT.forward_cached(...)` runs only new tokens, writes their keys and values into given slots at
-given positions, and attends under a mask that nanobatch.py builds: the caller owns the slots.
+`GPT.forward_packed(step, cache)` runs one step of the engine: M new tokens from any mix of slots,
+packed side by side with no padding. It writes their keys and values into the cache at (slot,
+position) and attends under masks that nanobatch.py builds: the caller owns the slots.
 """
 import json
 import os
@@ -36,6 +38,23 @@ class GPTConfig:
     n_embd: int = 768  # 768/1024/1280/1600: the width that sets the four sizes apart
 
 
+@dataclass
+class PackedStep:
+    """One engine step's tokens, packed: M tokens from any mix of slots, no padding, no empty rows.
+
+    Rows [0, D) hold one token each, every one in a slot of its own (a decoding request's newest
+    token, or a prompt chunk of a single token). The other rows come in chunks: consecutive tokens
+    of one prompt, in one slot, at consecutive positions.
+    """
+    tokens: torch.Tensor  # (M,) token ids
+    positions: torch.Tensor  # (M,) each token's position in its slot
+    slots: torch.Tensor  # (M,) each token's slot
+    n_one_token: int  # D: rows [0, D) are one-token rows
+    one_token_mask: torch.Tensor | None  # (S, 1, L) bool: slot s's query may see position l; None if D = 0
+    chunks: list  # (rows, slot, mask): a slice of rows, their slot, (T, L) bool mask over that slot
+    logit_rows: torch.Tensor  # (R,) rows whose next-token logits are wanted
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -43,36 +62,55 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x, kv_cache=None, slots=None, positions=None, attn_mask=None):
-        B, T, C = x.size()
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in self.c_attn(x).split(C, dim=2))
-        # q, k, v: each (B, T, nh, hs)
+    def forward(self, x, kv_cache=None, step=None):
         if kv_cache is None:
-            # No cache: the row is the whole sequence, so plain causal attention is all it needs.
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # each (B, nh, T, hs)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
-        else:
-            # Row b belongs to cache slot slots[b] (slots=None: row b is slot b, every slot a row).
-            # Its token t sits at position positions[b, t]. Store the new keys and values there
-            # first, so that a token can attend to itself.
-            k_cache, v_cache = kv_cache  # each (S, max_len, nh, hs)
-            rows = torch.arange(B, device=x.device) if slots is None else slots  # (B,)
-            # rows[:, None] (B, 1) and positions (B, T) pick B*T cells, each taking one (nh, hs) key.
-            k_cache[rows[:, None], positions] = k
-            v_cache[rows[:, None], positions] = v
-            # Read back only the first L positions: attention costs what the longest active
-            # sequence needs, not what the cache could hold. When every slot is a row the cache
-            # is read as a view; indexing by `rows` would copy it, which measured slower than
-            # the attention itself (GPT-2 124M, 8 slots, CPU).
-            L = attn_mask.size(-1)
-            keys = k_cache[:, :L] if slots is None else k_cache[slots, :L]  # (B, L, nh, hs)
-            values = v_cache[:, :L] if slots is None else v_cache[slots, :L]  # (B, L, nh, hs)
-            y = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=attn_mask[:, None],  # (B, 1, T, L): the same mask for every head
-            )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).reshape(B, T, C)  # heads side by side again
-        return self.c_proj(y)
+            return self.c_proj(self.attend_causal(x))
+        return self.c_proj(self.attend_packed(x, kv_cache, step))
+
+    def attend_causal(self, x):
+        """The reference: x (B, T, C), each row a whole sequence, so plain causal attention."""
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # each (B, nh, T, hs)
+                   for t in self.c_attn(x).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        return y.transpose(1, 2).reshape(B, T, C)  # heads side by side again
+
+    def attend_packed(self, x, kv_cache, step):
+        """x (M, C): one step's packed tokens. Each token attends over its own slot in the cache."""
+        M, C = x.size()
+        q, k, v = (t.view(M, self.n_head, C // self.n_head) for t in self.c_attn(x).split(C, dim=1))
+        # q, k, v: each (M, nh, hs)
+        k_cache, v_cache = kv_cache  # each (S, max_len, nh, hs)
+        # Store the new keys and values first, so that a token can attend to itself: one write of
+        # M cells, each at its own (slot, position).
+        k_cache[step.slots, step.positions] = k
+        v_cache[step.slots, step.positions] = v
+        y = torch.empty_like(q)  # (M, nh, hs)
+        # One-token rows, in one call over the whole belt: row s is slot s's query, and the cache is
+        # read as a view of its first L positions. A slot with no one-token row this step gets a
+        # dummy query whose output is dropped. Gathering just the D slots' keys instead copies them
+        # and measured slower than this whole attention (GPT-2 124M, 8 slots, CPU).
+        D = step.n_one_token
+        if D:
+            S, L = step.one_token_mask.size(0), step.one_token_mask.size(-1)
+            one_token_slots = step.slots[:D]  # (D,)
+            queries = q.new_zeros(S, self.n_head, 1, C // self.n_head)  # (S, nh, 1, hs)
+            queries[one_token_slots] = q[:D, :, None]
+            out = F.scaled_dot_product_attention(
+                queries, k_cache[:, :L].transpose(1, 2), v_cache[:, :L].transpose(1, 2),  # (S, nh, L, hs)
+                attn_mask=step.one_token_mask[:, None],  # (S, 1, 1, L): the same mask for every head
+            )  # (S, nh, 1, hs)
+            y[:D] = out[one_token_slots, :, 0]
+        # Prompt chunks, one call each: T queries over the first L positions of their own slot,
+        # read as a view. Prompts never pad to each other's length.
+        for rows, slot, mask in step.chunks:
+            L = mask.size(-1)
+            out = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1), k_cache[slot, :L].transpose(0, 1), v_cache[slot, :L].transpose(0, 1),
+                attn_mask=mask,  # (T, L)
+            )  # (nh, T, hs)
+            y[rows] = out.transpose(0, 1)
+        return y.view(M, C)
 
 
 class MLP(nn.Module):
@@ -93,8 +131,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, **cache_args):
-        x = x + self.attn(self.ln_1(x), **cache_args)  # pre-LayerNorm, residual around each half
+    def forward(self, x, kv_cache=None, step=None):
+        x = x + self.attn(self.ln_1(x), kv_cache, step)  # pre-LayerNorm, residual around each half
         return x + self.mlp(self.ln_2(x))
 
 
@@ -103,16 +141,18 @@ class KVCache:
 
     def __init__(self, config, n_slots, max_len, device, dtype):
         head_size = config.n_embd // config.n_head
-        shape = (config.n_layer, 2, n_slots, max_len, config.n_head, head_size)  # k|v is dim 1
+        shape = (config.n_layer, 2, n_slots, max_len, config.n_head, head_size)  # (n_layer, k|v, S, max_len, nh, hs)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)  # zeros: see clear() for why
 
     def layer(self, i):
         return self.kv[i, 0], self.kv[i, 1]  # views, each (S, max_len, nh, hs)
 
-    def clear(self, slot):
-        """Zero one slot, for a new occupant. The mask hides a previous occupant's keys, but only
-        by giving them weight 0, and 0 * NaN is NaN: one that overflowed would poison the next."""
-        self.kv[:, :, slot].zero_()
+    def clear(self, slot, n_positions):
+        """Zero the first n_positions of one slot: what its occupant wrote, as it leaves. The mask
+        hides a previous occupant's keys, but only by giving them weight 0, and 0 * NaN is NaN: one
+        that overflowed would poison the next. Zeroing only what was written, not the slot's whole
+        max_len, keeps the cost proportional to the work done."""
+        self.kv[:, :, slot, :n_positions].zero_()
 
     @property
     def nbytes(self):
@@ -151,22 +191,18 @@ class GPT(nn.Module):
             x = block(x)
         return self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
 
-    def forward_cached(self, idx, positions, cache, slots, attn_mask, need_logits=True):
-        """Run only the new tokens, reading and writing the KV cache.
+    def forward_packed(self, step, cache):
+        """One engine step: run step.tokens (M,) through the model, reading and writing the cache.
 
-        idx        (B, T) new token ids
-        positions  (B, T) position of each new token in its slot
-        cache      a KVCache
-        slots      (B,) the cache slot of each row, or None when row b is slot b for every slot
-        attn_mask  (B, T, L) bool: True where token t of row b may see position l of its slot
-        returns    logits (B, V) of each row's last token, all that sampling needs (the head costs
-                   768 x 50257 = 39M multiply-adds a token in GPT-2 124M, about half what its 12
-                   blocks cost); None when need_logits is False, for a pass that only fills the cache.
+        Every linear layer and the MLP see exactly the M real tokens: no padding, no empty slots.
+        Returns logits (R, V) for step.logit_rows only: the LM head costs 768 x 50257 = 39M
+        multiply-adds a token in GPT-2 124M, about half what its 12 blocks cost, and only a
+        sequence's newest token is ever sampled from.
         """
-        x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
+        x = self.transformer.wte(step.tokens) + self.transformer.wpe(step.positions)  # (M, C)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, kv_cache=cache.layer(i), slots=slots, positions=positions, attn_mask=attn_mask)
-        return self.lm_head(self.transformer.ln_f(x[:, -1])) if need_logits else None  # (B, V)
+            x = block(x, kv_cache=cache.layer(i), step=step)
+        return self.lm_head(self.transformer.ln_f(x[step.logit_rows]))  # (R, V)
 
     @classmethod
     def from_pretrained(cls, source, cache_dir=None):

@@ -3,16 +3,21 @@ nanobatch: continuous batching (iteration-level scheduling) for GPT-2, in one lo
 
 A belt of S slots, each able to hold one sequence's keys and values in the KV cache. Every step:
     1) requests whose arrival step has come join the waiting queue;
-    2) waiting requests are admitted into free slots and their prompts prefilled, together;
-    3) one decode step runs over the whole belt: every running request gets one new token;
-    4) the step is reported (which request sits in which slot: the belt you see scroll by);
-    5) requests that hit EOS, their max_new_tokens or the slot's max_len are retired, and their
+    2) waiting requests are admitted into free slots;
+    3) the step's tokens are chosen: each running request's newest token first, then the prompts
+       of admitted requests, at most prefill_chunk prompt tokens in all (the rest of a long prompt
+       waits for the next steps: chunked prefill);
+    4) ONE forward runs over all of those tokens, packed side by side; every request whose tokens
+       so far are now all in the cache samples its next token (a prompt's first token comes in
+       the step that completes the prompt);
+    5) the step is reported (which request sits in which slot: the belt you see scroll by);
+    6) requests that hit EOS, their max_new_tokens or the slot's max_len are retired, and their
        slots are free for step 2 of the very next step.
 Static batching is the same loop with one decision changed (`slots_to_fill`): it refills only an
 empty belt, so a short answer's slot idles until the longest answer of its batch is done.
 
-Shape legend: S slots, B rows in a forward, T new tokens per row, L cache positions attended over,
-V vocabulary size.
+Shape legend (as in model.py): S slots, M tokens packed into a step, D of them one-token rows,
+T tokens in one prompt chunk, L cache positions attended over, R rows sampled, V vocabulary size.
 """
 import argparse
 import math
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model import GPT, GPTConfig, default_cache_dir
+from model import GPT, GPTConfig, PackedStep, default_cache_dir
 
 POLICIES = ("continuous", "static")
 EOT = 50256  # <|endoftext|>: GPT-2 ends a text with it
@@ -46,10 +51,15 @@ class Request:
 class Completion:
     tokens: list[int]  # generated ids only; an EOS that ended the request is kept
     finish_reason: str  # "eos" | "length" | "context"
-    admit_step: int  # loop step whose prefill took this request into a slot
+    admit_step: int  # loop step that took this request into a slot
     finish_step: int  # loop step that produced its last token
     ttft_s: float  # seconds from the start of its arrival step to its first token
     latency_s: float  # seconds from the start of its arrival step to its last token
+    first_token_step: int  # loop step that produced its first token: admit_step unless its prompt
+    #                        needed several steps (chunked prefill), so finish_step is always
+    #                        first_token_step + len(tokens) - 1
+    slot: int  # the slot it occupied
+    token_times_s: list[float]  # seconds from the start of its arrival step to each of its tokens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,16 +78,17 @@ def new_sampler(request, device):
 
 
 def sample(logits, request, generator):
-    """The next token id from one row of logits (V,)."""
+    """The next token id from one row of logits (V,), as a 0-d tensor on the logits' device: the
+    engine reads a whole step's tokens back at once, not one row at a time."""
     if request.temperature == 0:
-        return int(logits.argmax())
+        return logits.argmax()
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # no softmax in 16 bits
     logits = logits - logits.max()  # the largest is 0, so a tiny temperature cannot overflow
     if request.top_k is not None:
         kth_largest = torch.topk(logits, min(request.top_k, logits.size(-1))).values[-1]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     probs = torch.softmax(logits / request.temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.multinomial(probs, 1, generator=generator)[0]
 
 
 def stop_reason(request, tokens, max_len, eos_id):
@@ -91,15 +102,18 @@ def stop_reason(request, tokens, max_len, eos_id):
     return None
 
 
-def check_arguments(model, requests, n_slots, max_len, eos_id, policy):
+def check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk=None):
     """Reject, before any work, everything that could not be served: nothing fails halfway."""
     V, block_size = model.config.vocab_size, model.config.block_size
+    requests = list(requests)
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if not (isinstance(n_slots, int) and n_slots >= 1):
         raise ValueError(f"n_slots must be an int >= 1, got {n_slots!r}")
     if not (isinstance(max_len, int) and 2 <= max_len <= block_size):
         raise ValueError(f"max_len must be in 2..{block_size} (the model's block_size), got {max_len}")
+    if prefill_chunk is not None and not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
+        raise ValueError(f"prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")
     if eos_id is not None and not 0 <= eos_id < V:
         raise ValueError(f"eos_id must be a token id in 0..{V - 1} or None, got {eos_id}")
     for i, r in enumerate(requests):
@@ -119,69 +133,74 @@ def check_arguments(model, requests, n_slots, max_len, eos_id, policy):
             raise ValueError(f"requests[{i}].top_k must be an int >= 1 or None, got {r.top_k!r}")
         if not (isinstance(r.arrival, int) and r.arrival >= 0):
             raise ValueError(f"requests[{i}].arrival must be an int >= 0, got {r.arrival!r}")
+    return requests
 
 
 # ---------------------------------------------------------------------------------------------
-# The attention mask, and the two forward passes that use it
+# The attention mask, and packing a step's tokens into one forward
 
 
 def attention_mask(positions, L):
-    """(B, T, L) bool: a new token may see position l of its own slot iff l <= its own position.
+    """(B, T, L) bool: a token may see position l of its own slot iff l <= its own position.
 
-    Each row is one slot, so prompts never see each other; within a slot this one rule is causal
-    attention over exactly the slot's own prefix. What lies beyond (a padded prompt's filler, or
-    keys left by the slot's previous occupant, 'x' below) is never seen. Two examples, 1 = visible:
+    Each row reads one slot only, so requests never see each other; within a slot this one rule
+    is causal attention over exactly the slot's own prefix. What lies beyond (keys left by the
+    slot's previous occupant, 'x' below) is never seen. A step that mixes decoding and a prompt
+    chunk, 1 = visible:
 
-      decode, 3 slots at positions 2, 4, 0          prefill, prompts of 3 and 2 tokens, T = 3
-      cache position   0 1 2 3 4                    cache position   0 1 2
-      slot 0, pos 2    1 1 1 0 0   (3, 4 hold x)    slot 3, pos 0    1 0 0
-      slot 1, pos 4    1 1 1 1 1                           pos 1    1 1 0
-      slot 2, pos 0    1 0 0 0 0   (1.. hold x)            pos 2    1 1 1
-                                                    slot 5, pos 0    1 0 0
-                                                           pos 1    1 1 0
-                                                           pos 2    padding: output unused
+      one-token rows, B = S = 4, T = 1               a chunk in slot 2, B = 1, T = 3: the
+      cache position   0 1 2 3 4 5                   prompt's positions 3..5 (0..2 came in
+      slot 0, pos 2    1 1 1 0 0 0   (3.. hold x)    the previous step's chunk)
+      slot 1, pos 5    1 1 1 1 1 1                   cache position   0 1 2 3 4 5
+      slot 2, no row   1 0 0 0 0 0   dropped                pos 3    1 1 1 1 0 0
+      slot 3, pos 0    1 0 0 0 0 0   (1.. hold x)           pos 4    1 1 1 1 1 0
+                                                            pos 5    1 1 1 1 1 1
     """
     key_positions = torch.arange(L, device=positions.device)  # (L,)
     return key_positions[None, None, :] <= positions[:, :, None]  # (B, T, L)
 
 
-def prefill(model, cache, slots, prompts):
-    """Write the prompts' keys and values into their fresh slots, all in one forward.
+def pack_step(work, padding_slots, n_slots, device):
+    """This step's work as one model.PackedStep, and the runs to sample, in the order of its logits.
 
-    Each prompt's last token is left out: it rides in this step's decode batch, which gives the
-    request its first token. Rows are right-padded with token 0; padding writes keys past the
-    prompt's end, which the mask hides until decoding has overwritten them.
+    work: [(run, the token ids it feeds)]. padding_slots: slots that feed a token nobody reads
+    (static batching's finished rows). One-token rows come first, one per slot; then the chunks.
     """
-    device = cache.kv.device
-    rows = [(slot, prompt[:-1]) for slot, prompt in zip(slots, prompts) if len(prompt) > 1]
-    if not rows:
-        return
-    T = max(len(prefix) for _, prefix in rows)
-    idx = torch.tensor([prefix + [0] * (T - len(prefix)) for _, prefix in rows], device=device)  # (B, T)
-    positions = torch.arange(T, device=device).expand(len(rows), T)  # (B, T): each starts at 0
-    row_slots = torch.tensor([slot for slot, _ in rows], device=device)  # (B,)
-    model.forward_cached(idx, positions, cache, row_slots, attention_mask(positions, T), need_logits=False)
-
-
-def decode(model, cache, belt):
-    """One forward over every slot: each running request feeds its newest token -> logits (S, V).
-
-    The batch is always the whole belt, so attention reads the cache as a view. An empty slot
-    feeds token 0 at position 0 and its row is ignored: that row is the waste occupancy counts.
-    """
-    device = cache.kv.device
-    slot_positions = [run.position if run else 0 for run in belt]
-    L = max(slot_positions) + 1  # attend over the longest active sequence, not over max_len
-    idx = torch.tensor([[run.newest_token] if run else [0] for run in belt], device=device)  # (S, 1)
-    positions = torch.tensor(slot_positions, device=device)[:, None]  # (S, 1)
-    return model.forward_cached(idx, positions, cache, None, attention_mask(positions, L))
+    one_token = [(run.slot, run.n_cached, ids, run) for run, ids in work if len(ids) == 1]
+    one_token += [(slot, 0, [0], None) for slot in padding_slots]  # token 0 at position 0, read by none
+    chunks = [(run.slot, run.n_cached, ids, run) for run, ids in work if len(ids) > 1]
+    tokens, positions, slots, logit_rows, to_sample = [], [], [], [], []
+    for slot, first_position, ids, run in one_token + chunks:
+        tokens += ids
+        positions += range(first_position, first_position + len(ids))
+        slots += [slot] * len(ids)
+        # A run samples once its feed has brought all it has (prompt and answer) into the cache:
+        # a decoding request every step, a prompt in the step that completes it.
+        if run is not None and run.n_cached + len(ids) == len(run.request.prompt) + len(run.tokens):
+            logit_rows.append(len(tokens) - 1)
+            to_sample.append(run)
+    slot_positions = [0] * n_slots  # each slot's one-token query position (0 for a slot with none)
+    for slot, first_position, _, _ in one_token:
+        slot_positions[slot] = first_position
+    # Every index of the step in one host-to-device copy, made while the device is idle: the
+    # previous step ended by reading its tokens back.
+    D, M, R = len(one_token), len(tokens), len(logit_rows)
+    index = torch.tensor(tokens + positions + slots + slot_positions + logit_rows, device=device)
+    tokens, positions, slots, slot_positions, logit_rows = index.split([M, M, M, n_slots, R])
+    L = max(first_position for _, first_position, _, _ in one_token) + 1 if D else 0
+    one_token_mask = attention_mask(slot_positions[:, None], L) if D else None  # (S, 1, L)
+    chunk_masks, first_row = [], D
+    for slot, first_position, ids, _ in chunks:
+        rows = slice(first_row, first_row + len(ids))
+        mask = attention_mask(positions[rows][None], first_position + len(ids))[0]  # (T, L)
+        chunk_masks.append((rows, slot, mask))
+        first_row += len(ids)
+    return PackedStep(tokens, positions, slots, D, one_token_mask, chunk_masks, logit_rows), to_sample
 
 
 def synchronize(device):
     if device.type == "cuda":  # GPU work is queued, not done, when Python moves on
         torch.cuda.synchronize(device)
-
-
 # ---------------------------------------------------------------------------------------------
 # The loop
 
@@ -191,29 +210,34 @@ class Running:
     """A request in a slot: the per-slot state the loop keeps."""
     request_index: int  # position of the request in the caller's list
     request: Request
+    slot: int
     sampler: torch.Generator
     admit_step: int
+    n_cached: int = 0  # tokens of prompt + answer whose keys and values are in the slot already
     tokens: list[int] = field(default_factory=list)  # generated so far
-    first_token_time: float | None = None
+    token_times_s: list[float] = field(default_factory=list)  # seconds from arrival to each token
+    first_token_step: int | None = None
 
     @property
-    def newest_token(self):  # the token this slot feeds to the next decode step
-        return self.tokens[-1] if self.tokens else self.request.prompt[-1]
-
-    @property
-    def position(self):  # where the newest token goes in the slot; all before it are cached
-        return len(self.request.prompt) + len(self.tokens) - 1
+    def is_prefilling(self):  # its prompt is not all in the cache yet, so it has no token yet
+        return self.n_cached < len(self.request.prompt)
 
 
 @dataclass
 class StepReport:
     step: int
-    belt: str  # one character per slot: the request's letter, '.' when it does no useful work
-    n_running: int  # slots that produced a token this step
+    belt: str  # a character per slot: the letter of the request that made a token there, '~' for
+    #            one whose prompt is still going in, '.' for a slot doing no useful work
+    n_running: int  # requests that made a token this step
+    n_prefilling: int  # requests in a slot whose prompt is not all in the cache yet
     n_waiting: int  # arrived requests still queued
-    admitted: list[int]  # request indices prefilled this step
+    n_prompt_tokens: int  # prompt tokens that went through the model this step
+    admitted: list[int]  # request indices that took a slot this step
     finished: list[tuple[int, Completion]]  # (request index, its completion)
-    model_s: float  # seconds spent in the model's forward passes this step
+    model_s: float  # seconds in the forward pass and sampling, until the tokens were back
+    step_s: float  # seconds for the whole step, the scheduling around the model included
+    sampled: list[int]  # request indices that made a token, in the order of logits' rows
+    logits: torch.Tensor  # (R, V): the logits those tokens were sampled from
 
 
 def letter(request_index):
@@ -223,8 +247,9 @@ def letter(request_index):
 
 
 def belt_picture(belt):
-    """One character per slot: the letter of the request in it, or '.' for an empty slot."""
-    return "".join(letter(run.request_index) if run else "." for run in belt)
+    """A character per slot: the request's letter, '~' while its prompt goes in, '.' when empty."""
+    return "".join("." if run is None else "~" if run.is_prefilling else letter(run.request_index)
+                   for run in belt)
 
 
 def slots_to_fill(belt, policy):
@@ -236,15 +261,36 @@ def slots_to_fill(belt, policy):
     return free
 
 
+def plan_step(belt, prefill_chunk):
+    """The tokens each request feeds this step: [(run, token ids)].
+
+    Decoding requests come first, each with its newest token: a prompt never delays them. Then the
+    prompts, first come first served, share a budget of prefill_chunk tokens (None: no limit); a
+    prompt that does not fit continues in the next steps (chunked prefill), so one long prompt
+    cannot stall the belt's decoding for long.
+    """
+    runs = sorted((run for run in belt if run is not None), key=lambda run: run.request_index)
+    work = [(run, [run.tokens[-1]]) for run in runs if not run.is_prefilling]
+    budget = math.inf if prefill_chunk is None else prefill_chunk
+    for run in sorted((run for run in runs if run.is_prefilling), key=lambda run: run.request.arrival):
+        n = min(budget, len(run.request.prompt) - run.n_cached)
+        if n == 0:
+            break
+        work.append((run, run.request.prompt[run.n_cached:run.n_cached + n]))
+        budget -= n
+    return work
+
+
 def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="continuous",
-             on_step=None):
+             prefill_chunk=None, on_step=None):
     """Serve every request through a belt of n_slots; returns their Completions in request order.
 
     max_len: positions per slot (default: the model's block_size). eos_id=None: never stop on EOS.
+    prefill_chunk: at most this many prompt tokens enter a step (None: whole prompts at once).
     on_step: called with a StepReport after every step (the library itself prints nothing).
     """
     max_len = model.config.block_size if max_len is None else max_len
-    check_arguments(model, requests, n_slots, max_len, eos_id, policy)
+    requests = check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk)
     device = model.lm_head.weight.device
     cache = model.new_cache(n_slots, max_len)  # the only large allocation, reused by every request
     pending = deque(sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i)))
@@ -258,47 +304,58 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
             if all(run is None for run in belt) and not waiting:
                 step = max(step, requests[pending[0]].arrival)
             # 1) Arrivals join the queue.
-            step_started = time.perf_counter()
+            step_start = time.perf_counter()
             while pending and requests[pending[0]].arrival <= step:
-                arrived_at[pending[0]] = step_started
+                arrived_at[pending[0]] = step_start
                 waiting.append(pending.popleft())
-            # 2) Admit waiting requests into free slots, and prefill their prompts together.
-            model_start = time.perf_counter()
-            admitted_slots = []
+            # 2) Admit waiting requests into free slots; their prompts go in from this step on.
+            admitted = []
             for slot in slots_to_fill(belt, policy)[:len(waiting)]:
                 i = waiting.popleft()
-                belt[slot] = Running(i, requests[i], new_sampler(requests[i], device), admit_step=step)
-                cache.clear(slot)
-                admitted_slots.append(slot)
-            prefill(model, cache, admitted_slots, [belt[slot].request.prompt for slot in admitted_slots])
-            # 3) Decode: one new token for every running request.
-            logits = decode(model, cache, belt)  # (S, V)
-            synchronize(device)  # sampling would wait for the GPU anyway; this makes model_s true
-            model_s = time.perf_counter() - model_start
-            finished_slots = []
-            for slot, run in enumerate(belt):
-                if run is None:
-                    continue
-                run.tokens.append(sample(logits[slot], run.request, run.sampler))
-                now = time.perf_counter()
-                if run.first_token_time is None:
-                    run.first_token_time = now
+                belt[slot] = Running(i, requests[i], slot, new_sampler(requests[i], device), admit_step=step)
+                admitted.append(i)
+            # 3) Choose the step's tokens. Static batching runs its batch at a fixed size, as a
+            #    padded batch does: a finished request's row still costs a row (a padding token)
+            #    until its whole batch is done. Continuous batching computes no empty rows.
+            work = plan_step(belt, prefill_chunk)
+            n_prompt_tokens = sum(len(ids) for run, ids in work if run.is_prefilling)
+            padding_slots = [s for s, run in enumerate(belt) if run is None] if policy == "static" else []
+            # 4) One forward over all of them; a new token for every run that is due one.
+            packed, to_sample = pack_step(work, padding_slots, n_slots, device)
+            logits = model.forward_packed(packed, cache)  # (R, V)
+            if to_sample:  # the step's one device-to-host copy: all its new tokens at once
+                new_tokens = torch.stack([sample(row, run.request, run.sampler)
+                                          for row, run in zip(logits, to_sample)]).tolist()
+            else:  # a step of mid-prompt chunks only: nothing to read back, but model_s must be true
+                new_tokens = []
+                synchronize(device)
+            now = time.perf_counter()
+            for run, ids in work:
+                run.n_cached += len(ids)
+            finished = []
+            for run, token in zip(to_sample, new_tokens):
+                run.tokens.append(token)
+                run.token_times_s.append(now - arrived_at[run.request_index])
+                if run.first_token_step is None:
+                    run.first_token_step = step
                 if reason := stop_reason(run.request, run.tokens, max_len, eos_id):
-                    arrived = arrived_at[run.request_index]
-                    completions[run.request_index] = Completion(run.tokens, reason, run.admit_step, step,
-                                                                run.first_token_time - arrived, now - arrived)
-                    finished_slots.append(slot)
-            # 4) Report the step: the belt as it ran, and who came and went.
+                    completions[run.request_index] = Completion(
+                        run.tokens, reason, run.admit_step, step, run.token_times_s[0], run.token_times_s[-1],
+                        run.first_token_step, run.slot, run.token_times_s)
+                    finished.append(run)
+            # 5) Report the step: the belt as it ran, and who came and went.
             if on_step is not None:
-                admitted = [belt[slot].request_index for slot in admitted_slots]
-                finished = [(belt[slot].request_index, completions[belt[slot].request_index])
-                            for slot in finished_slots]
-                on_step(StepReport(step, belt_picture(belt), sum(run is not None for run in belt),
-                                   len(waiting), admitted, finished, model_s))
-            # 5) Retire finished requests: their slots are free from the next step on.
-            for slot in finished_slots:
-                belt[slot] = None
-            n_done += len(finished_slots)
+                on_step(StepReport(
+                    step, belt_picture(belt), len(to_sample), sum(run is not None and run.is_prefilling for run in belt),
+                    len(waiting), n_prompt_tokens, admitted,
+                    [(run.request_index, completions[run.request_index]) for run in finished],
+                    now - step_start, time.perf_counter() - step_start,
+                    [run.request_index for run in to_sample], logits))
+            # 6) Retire finished requests: wipe what each wrote, and its slot is free next step.
+            for run in finished:
+                cache.clear(run.slot, run.n_cached)
+                belt[run.slot] = None
+            n_done += len(finished)
             step += 1
     return completions
 
@@ -306,29 +363,28 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
 def generate_sequential(model, requests, *, max_len=None, eos_id=EOT):
     """The reference: one request at a time, the plain no-cache forward over the whole sequence
     for every token. Slow (quadratic) and plainly right. Its clock counts steps as a one-slot belt
-    would: one token per step, requests first come, first served."""
+    with whole prompts would: one token per step, requests first come, first served."""
     max_len = model.config.block_size if max_len is None else max_len
-    check_arguments(model, requests, 1, max_len, eos_id, "continuous")
+    requests = check_arguments(model, requests, 1, max_len, eos_id, "continuous")
     device = model.lm_head.weight.device
     order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i))
     not_arrived, arrived_at, completions = deque(order), [None] * len(requests), [None] * len(requests)
     step = 0
     with torch.no_grad():
         for i in order:
-            request, tokens, reason, first_token_time = requests[i], [], None, None
+            request, tokens, token_times_s, reason = requests[i], [], [], None
             step = admit_step = max(step, request.arrival)  # idle until it arrives
             sampler = new_sampler(request, device)
             while reason is None:
                 while not_arrived and requests[not_arrived[0]].arrival <= step:
                     arrived_at[not_arrived.popleft()] = time.perf_counter()
                 logits = model(torch.tensor([request.prompt + tokens], device=device))  # (1, T, V)
-                tokens.append(sample(logits[0, -1], request, sampler))
-                now = time.perf_counter()
-                first_token_time = now if first_token_time is None else first_token_time
+                tokens.append(int(sample(logits[0, -1], request, sampler)))
+                token_times_s.append(time.perf_counter() - arrived_at[i])
                 reason = stop_reason(request, tokens, max_len, eos_id)
                 step += 1
-            completions[i] = Completion(tokens, reason, admit_step, step - 1,
-                                        first_token_time - arrived_at[i], now - arrived_at[i])
+            completions[i] = Completion(tokens, reason, admit_step, step - 1, token_times_s[0], token_times_s[-1],
+                                        admit_step, 0, token_times_s)
     return completions
 
 
@@ -342,34 +398,39 @@ def percentile(values, q):
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def summarize(requests, completions, wall_s, model_s, n_slots):
-    """The figures of one run, from its completions (None for a request not finished)."""
+def summarize(requests, completions, reports, wall_s):
+    """The figures of one run. Throughput and occupancy come from its step reports, so a run cut
+    short still counts the tokens of requests that had not finished; latencies come from the
+    completions (None for a request not finished)."""
+    n_slots = len(reports[0].belt)
     done = [(r, c) for r, c in zip(requests, completions) if c is not None]
-    busy_steps = set().union(*(range(c.admit_step, c.finish_step + 1) for _, c in done))
-    queued_steps = set().union(*(range(r.arrival, c.admit_step) for r, c in done))  # someone waited
-    n_tokens = sum(len(c.tokens) for _, c in done)
+    queued = [report for report in reports if report.n_waiting > 0]  # steps that left someone waiting
 
-    def n_running_at(step):
-        return sum(c.admit_step <= step <= c.finish_step for _, c in done)
+    def occupancy(steps):  # slots holding a request (making a token, or taking in its prompt)
+        busy = sum(report.n_running + report.n_prefilling for report in steps)
+        return busy / (len(steps) * n_slots) if steps else None
 
     def p50_p99(values):
-        return percentile(values, 50), percentile(values, 99)
+        return (percentile(values, 50), percentile(values, 99)) if values else None
 
-    n_running_while_queued = sum(n_running_at(step) for step in queued_steps)
+    n_tokens = sum(report.n_running for report in reports)
+    gaps = [later - earlier for _, c in done for earlier, later in zip(c.token_times_s, c.token_times_s[1:])]
     return {
-        "steps": len(busy_steps),
+        "steps": len(reports),
         "generated tokens": n_tokens,
         "wall time (s)": wall_s,
         "tokens/s": n_tokens / wall_s,
-        # Each running slot makes one token per step, so tokens / (steps * slots) = useful rows.
-        "mean occupancy": n_tokens / (len(busy_steps) * n_slots),
-        "occupancy while queued": (n_running_while_queued / (len(queued_steps) * n_slots)
-                                   if queued_steps else None),
+        "tokens/s while queued": (sum(report.n_running for report in queued) / sum(report.step_s for report in queued)
+                                  if queued else None),
+        "mean occupancy": occupancy(reports),
+        "occupancy while queued": occupancy(queued),
         "latency P50/P99 (steps)": p50_p99([c.finish_step - r.arrival + 1 for r, c in done]),
         "latency P50/P99 (s)": p50_p99([c.latency_s for _, c in done]),
-        "TTFT P50/P99 (steps)": p50_p99([c.admit_step - r.arrival + 1 for r, c in done]),
+        "TTFT P50/P99 (steps)": p50_p99([c.first_token_step - r.arrival + 1 for r, c in done]),
         "TTFT P50/P99 (s)": p50_p99([c.ttft_s for _, c in done]),
-        "time outside the model": 1 - model_s / wall_s,
+        "TBT P50/P99 (s)": p50_p99(gaps),
+        "slowest step (s)": max(report.step_s for report in reports),
+        "time outside the model": 1 - sum(report.model_s for report in reports) / wall_s,
     }
 
 
@@ -396,17 +457,17 @@ def print_step(report):
 
 
 def run_all(model, requests, runs, args, eos_id, show_belt):
-    """Serve the same requests once per (name, n_slots, policy) in runs -> summaries, completions.
-    Ctrl-C prints the summary so far and exits 130."""
+    """Serve the same requests once per (name, n_slots, policy, prefill_chunk) in runs -> summaries,
+    completions. Ctrl-C prints the summary so far and exits 130."""
     summaries, completions = {}, {}
-    for _, n_slots, policy in runs:  # refuse bad input before printing anything
-        check_arguments(model, requests, n_slots, args.max_len or model.config.block_size, eos_id, policy)
-    for name, n_slots, policy in runs:
-        finished, start, model_s = [None] * len(requests), time.perf_counter(), 0.0
+    for _, n_slots, policy, prefill_chunk in runs:  # refuse bad input before printing anything
+        check_arguments(model, requests, n_slots, args.max_len or model.config.block_size, eos_id, policy,
+                        prefill_chunk)
+    for name, n_slots, policy, prefill_chunk in runs:
+        finished, reports, start = [None] * len(requests), [], time.perf_counter()
 
         def on_step(report):
-            nonlocal model_s
-            model_s += report.model_s
+            reports.append(report)
             for i, completion in report.finished:
                 finished[i] = completion
             if show_belt:
@@ -415,23 +476,23 @@ def run_all(model, requests, runs, args, eos_id, show_belt):
                 print(f"\r{name}: step {report.step}", end="", file=sys.stderr, flush=True)
 
         if show_belt:
-            print(f"\n== {name}: {len(requests)} requests, {n_slots} slots "
-                  f"(letter: the request in that slot; '.': a slot doing no useful work)")
+            print(f"\n== {name}: {len(requests)} requests, {n_slots} slots (letter: the request that made a "
+                  f"token in that slot; '~': a prompt still going in; '.': a slot doing no useful work)")
         try:
             generate(model, requests, n_slots=n_slots, max_len=args.max_len, eos_id=eos_id, policy=policy,
-                     on_step=on_step)
+                     prefill_chunk=prefill_chunk, on_step=on_step)
         except KeyboardInterrupt:
             n_finished = sum(c is not None for c in finished)
-            print(f"\ninterrupted: figures for the {n_finished} requests finished so far")
-            if any(finished):
-                summaries[name + " (cut)"] = summarize(requests, finished, time.perf_counter() - start,
-                                                       model_s, n_slots)
+            print(f"\ninterrupted after {len(reports)} steps: tokens and occupancy count every request, "
+                  f"latencies only the {n_finished} finished")
+            if reports:
+                summaries[name + " (cut)"] = summarize(requests, finished, reports, time.perf_counter() - start)
                 print_table(summaries)
             sys.exit(130)
         if not show_belt:
             seconds = time.perf_counter() - start
             print(f"\r{name}: {len(requests)} requests in {seconds:.1f} s", file=sys.stderr)
-        summaries[name] = summarize(requests, finished, time.perf_counter() - start, model_s, n_slots)
+        summaries[name] = summarize(requests, finished, reports, time.perf_counter() - start)
         completions[name] = finished
     return summaries, completions
 
@@ -509,7 +570,7 @@ def demo(args):
     requests = [Request(prompt, max_new, args.temperature, args.top_k, seed=args.seed + i,
                         arrival=0 if i < first_wave else 2 * (i - first_wave + 1))
                 for i, (prompt, max_new) in enumerate(zip(prompts, lengths))]
-    runs = [(policy, args.slots, policy) for policy in POLICIES]
+    runs = [(policy, args.slots, policy, args.prefill_chunk) for policy in POLICIES]
     summaries, completions = run_all(model, requests, runs, args, EOT, show_belt=not args.quiet)
     print_table(summaries)
     if tokenizer:
@@ -525,47 +586,55 @@ def prompt_mode(args):
     model = model.to(args.device, args.dtype).eval()
     requests = [Request(tokenizer.encode(text), args.max_new_tokens, args.temperature, args.top_k,
                         seed=args.seed + i) for i, text in enumerate(args.prompt)]
-    summaries, completions = run_all(model, requests, [(args.policy, args.slots, args.policy)], args, EOT,
+    summaries, completions = run_all(model, requests, [(args.policy, args.slots, args.policy, args.prefill_chunk)], args, EOT,
                                      show_belt=not args.quiet)
     print_texts(tokenizer, requests, completions[args.policy])
     print_table(summaries)
 
 
 def bench(args):
-    """One fixed, seeded workload through continuous, static and sequential (the engine with one slot)."""
+    """Seeded workloads, timed: continuous against static and sequential (the engine with one
+    slot), the scheduler's efficiency, and long prompts served whole or in chunks."""
     torch.manual_seed(args.seed)
     model = GPT.from_pretrained(args.weights) if args.weights else GPT(TINY if args.quick else GPTConfig())
     model = model.to(args.device, args.dtype).eval()
-    rng = random.Random(args.seed)
+    V, rng = model.config.vocab_size, random.Random(args.seed)
     n_requests = args.requests or 16 * args.slots  # a steady stream: many more requests than slots
     lengths = long_tailed(rng, n_requests, mean=16, cap=128)
-    requests = [Request([rng.randrange(model.config.vocab_size) for _ in range(rng.randint(4, 16))], n,
+    requests = [Request([rng.randrange(V) for _ in range(rng.randint(4, 16))], n,
                         arrival=int(i / args.arrival_rate) if args.arrival_rate else 0)
                 for i, n in enumerate(lengths)]
     print(f"bench: {n_requests} requests, prompts of 4-16 tokens, answers of {min(lengths)}-{max(lengths)} "
           f"(mean {sum(lengths) / n_requests:.1f}) tokens, GPT-2 {model.config.n_layer} layers "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M, {args.device}, {args.dtype}")
-    runs = [("continuous", args.slots, "continuous"), ("static", args.slots, "static"),
-            ("sequential", 1, "continuous")]
+    runs = [("continuous", args.slots, "continuous", args.prefill_chunk),
+            ("static", args.slots, "static", args.prefill_chunk), ("sequential", 1, "continuous", args.prefill_chunk)]
     # eos_id=None: every answer runs to its drawn length, so real weights see the same workload.
     summaries, _ = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
+    # The scheduler's efficiency: the same prompts with every answer of the mean length, so that a
+    # belt of them never idles. While requests wait, continuous should come close to its rate.
+    mean_length = round(sum(lengths) / n_requests)
+    packable = [Request(r.prompt, mean_length, arrival=r.arrival) for r in requests]
+    summaries.update(run_all(model, packable, [("packable", args.slots, "continuous", args.prefill_chunk)], args,
+                             eos_id=None, show_belt=False)[0])
     print_table(summaries)
-    cont, stat, seq = summaries["continuous"], summaries["static"], summaries["sequential"]
+    cont, stat, seq, ideal = (summaries[name] for name in ("continuous", "static", "sequential", "packable"))
     print(f"\nsteps static / continuous:        {stat['steps'] / cont['steps']:.2f}x")
     print(f"tokens/s continuous / static:     {cont['tokens/s'] / stat['tokens/s']:.2f}x")
     print(f"tokens/s continuous / sequential: {cont['tokens/s'] / seq['tokens/s']:.2f}x")
-    # The ceiling: bare decode forwards of a full belt, at the mean position the sequences reach.
-    position = round(sum(len(r.prompt) + n / 2 for r, n in zip(requests, lengths)) / n_requests)
-    full_step_s = time_decode_step(model, args.slots, model.config.block_size, position)
-    print(f"a perfectly full belt (bare decode of {args.slots} slots at position {position}): "
-          f"{args.slots / full_step_s:.1f} tokens/s; continuous reached {cont['tokens/s']:.1f}")
+    if cont["tokens/s while queued"] and ideal["tokens/s while queued"]:
+        print(f"scheduler efficiency: while requests wait, continuous makes {cont['tokens/s while queued']:.1f} "
+              f"tokens/s, {cont['tokens/s while queued'] / ideal['tokens/s while queued']:.0%} of the "
+              f"{ideal['tokens/s while queued']:.1f} of a perfectly packable workload (every answer {mean_length} "
+              f"tokens)")
+    long_prompts(model, args)
     if model.config.block_size >= 1024:
         short, long = (time_decode_step(model, args.slots, max_len, position=100, repeats=10)
                        for max_len in (128, 1024))
         print(f"decode step at position 100: {1e3 * short:.1f} ms with max_len=128, "
               f"{1e3 * long:.1f} ms with max_len=1024 ({long / short:.2f}x)")
-    config, max_len = model.config, args.max_len or model.config.block_size
-    cache_bytes = config.n_layer * 2 * args.slots * max_len * config.n_embd * args.dtype.itemsize
+    max_len = args.max_len or model.config.block_size
+    cache_bytes = model.new_cache(args.slots, max_len).nbytes
     if args.device.type == "cuda":
         peak = f"{torch.cuda.max_memory_allocated() / 1e6:.0f} MB on the GPU"
     else:
@@ -578,19 +647,40 @@ def bench(args):
           f"run; peak memory of the whole process: {peak}")
 
 
+def long_prompts(model, args):
+    """A steady stream of short requests with a few long prompts among them, served with whole
+    prompts and with chunks: a whole long prompt stalls every decoding request for one long step."""
+    V, rng, n_requests = model.config.vocab_size, random.Random(args.seed + 1), 8 * args.slots
+    long_len = min(600, (args.max_len or model.config.block_size) - 70)
+    lengths = long_tailed(rng, n_requests, mean=16, cap=64)
+    is_long = [i % (n_requests // 4) == n_requests // 8 for i in range(n_requests)]  # 4 of them, spread out
+    requests = [Request([rng.randrange(V) for _ in range(long_len if long else rng.randint(4, 16))], n,
+                        arrival=i * 2)  # one every other step: about what the belt serves
+                for i, (n, long) in enumerate(zip(lengths, is_long))]
+    chunk = args.prefill_chunk or 64
+    print(f"\nlong prompts: {n_requests} requests arriving one every other step, {sum(is_long)} of them with "
+          f"{long_len}-token prompts, the rest 4-16; whole prompts against chunks of {chunk}")
+    runs = [("whole prompts", args.slots, "continuous", None), (f"chunks of {chunk}", args.slots, "continuous", chunk)]
+    summaries, _ = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
+    print_table(summaries)
+    whole, chunked = summaries.values()
+    print(f"\nTBT P99 chunked / whole: {chunked['TBT P50/P99 (s)'][1] / whole['TBT P50/P99 (s)'][1]:.2f}; "
+          f"tokens/s chunked / whole: {chunked['tokens/s'] / whole['tokens/s']:.2f}")
+
+
 def time_decode_step(model, n_slots, max_len, position, repeats=5):
-    """Seconds for one decode forward of n_slots rows, all at `position`, in a max_len cache."""
+    """Seconds for one forward of n_slots decoding requests, all at `position`, in a max_len cache."""
     device = model.lm_head.weight.device
     cache = model.new_cache(n_slots, max_len)
-    idx = torch.zeros(n_slots, 1, dtype=torch.long, device=device)  # (S, 1)
-    positions = torch.full((n_slots, 1), position, device=device)  # (S, 1)
-    mask = attention_mask(positions, position + 1)  # (S, 1, position + 1)
+    runs = [Running(slot, Request([0] * position, 2), slot, None, admit_step=0, n_cached=position, tokens=[0])
+            for slot in range(n_slots)]  # each about to feed its first answer token at `position`
+    packed, _ = pack_step([(run, [0]) for run in runs], [], n_slots, device)
     with torch.no_grad():
-        model.forward_cached(idx, positions, cache, None, mask)  # warm-up
+        model.forward_packed(packed, cache)  # warm-up
         synchronize(device)
         start = time.perf_counter()
         for _ in range(repeats):
-            model.forward_cached(idx, positions, cache, None, mask)
+            model.forward_packed(packed, cache)
         synchronize(device)
     return (time.perf_counter() - start) / repeats
 
@@ -609,6 +699,8 @@ def main(argv=None):
     work.add_argument("--top-k", type=int, help="sample among the k most likely tokens only")
     work.add_argument("--seed", type=int, default=0, help="request i samples with seed + i (0)")
     work.add_argument("--policy", choices=POLICIES, default="continuous", help="for --prompt")
+    work.add_argument("--prefill-chunk", type=int, help="at most this many prompt tokens a step (default: "
+                                                         "whole prompts)")
     work.add_argument("--requests", type=int, help="--bench: how many (default: 16 per slot)")
     work.add_argument("--arrival-rate", type=float, help="--bench: requests per step (default: all at once)")
     setup = parser.add_argument_group("model and output")
@@ -627,7 +719,8 @@ def main(argv=None):
     if [args.demo, args.bench, bool(args.prompt)].count(True) != 1:
         fail("say what to run: one of --demo, --bench, --prompt TEXT")
     for flag, value in [("--slots", args.slots), ("--max-new-tokens", args.max_new_tokens),
-                        ("--top-k", args.top_k), ("--requests", args.requests)]:
+                        ("--top-k", args.top_k), ("--requests", args.requests),
+                        ("--prefill-chunk", args.prefill_chunk)]:
         if value is not None and value < 1:
             fail(f"{flag} must be >= 1, got {value}")
     if args.arrival_rate is not None and not args.arrival_rate > 0:

@@ -299,26 +299,29 @@ def test_a_broken_mask_is_caught(gpt, monkeypatch, broken_mask):
     assert first_difference(broken, reference) != "", f"{broken_mask.__name__} went unnoticed"
 
 
-def test_a_slot_is_cleaned_for_its_new_occupant(gpt, monkeypatch):
+def test_a_slot_is_cleaned_for_its_new_occupant(monkeypatch):
     """The mask hides a slot's previous occupant by giving its keys weight 0, but 0 * NaN is NaN: an
-    occupant whose keys overflowed would poison the next. generate must clean each slot as a request
-    moves in. Here every cache starts full of NaN; the outputs must still equal the reference, and
-    must not once the cleaning is switched off (so the NaN really was there to catch)."""
-    new_cache = GPT.new_cache
-
-    def poisoned_cache(model, n_slots, max_len):
-        cache = new_cache(model, n_slots, max_len)
-        cache.kv.fill_(math.nan)
-        return cache
-
-    monkeypatch.setattr(GPT, "new_cache", poisoned_cache)
+    occupant whose keys overflowed would poison the next. generate must wipe what a request wrote
+    as it leaves. Here the first request holds a token whose embedding is NaN, so every key it
+    writes from there on is NaN; the requests after it in the same slot must still get the
+    reference's answers, and must not once the wiping is switched off (so the NaN was there)."""
+    model, poison = tiny_gpt(), 7
+    with torch.no_grad():
+        model.transformer.wte.weight[poison] = math.nan
     rng = random.Random(8)
-    requests = [Request(random_prompt(rng, n), m) for n, m in [(9, 6), (2, 8), (5, 3), (1, 7), (6, 5)]]
-    reference = generate_sequential(gpt, requests, max_len=MAX_LEN, eos_id=None)
-    assert first_difference(generate(gpt, requests, n_slots=2, max_len=MAX_LEN, eos_id=None), reference) == ""
-    monkeypatch.setattr(model_py.KVCache, "clear", lambda cache, slot: None)
-    dirty = generate(gpt, requests, n_slots=2, max_len=MAX_LEN, eos_id=None)
-    assert first_difference(dirty, reference) != "", "a NaN-filled cache went unnoticed without cleaning"
+    # Slot 0: the poisoned request (NaN keys at positions 2..19), then short ones. Slot 1: a long
+    # one, which makes every step attend over more positions than a short request has, so the
+    # short requests' masks cover the positions the poisoned one wrote.
+    first = Request([1, 2, poison] + random_prompt(rng, 17), 1)
+    companion = Request(random_prompt(rng, 3), 26)
+    later = [Request(random_prompt(rng, n), m) for n, m in [(2, 8), (5, 3), (1, 7)]]
+    reference = generate_sequential(model, later, max_len=MAX_LEN, eos_id=None)
+    got = generate(model, [first, companion] + later, n_slots=2, max_len=MAX_LEN, eos_id=None)
+    assert [c.slot for c in got] == [0, 1, 0, 0, 0], "the short requests did not follow the poisoned one"
+    assert first_difference(got[2:], reference) == ""
+    monkeypatch.setattr(model_py.KVCache, "clear", lambda cache, slot, n_positions: None)
+    dirty = generate(model, [first, companion] + later, n_slots=2, max_len=MAX_LEN, eos_id=None)
+    assert first_difference(dirty[2:], reference) != "", "NaN keys left in a slot went unnoticed without wiping"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,50 +331,56 @@ def test_a_slot_is_cleaned_for_its_new_occupant(gpt, monkeypatch):
 @pytest.mark.parametrize("stale", ["previous sequences", "NaN"])
 @pytest.mark.parametrize("device, dtype, atol", [
     ("cpu", torch.float32, 1e-5), ("cpu", torch.float64, 1e-10), pytest.param("cuda", torch.float32, 1e-5, marks=CUDA)])
-def test_cached_path_matches_forward(device, dtype, atol, stale):
-    """Prefill three prompts together into three of five slots, then decode token by token with every
-    slot a row: each row's logits must be the plain forward's over that row's own sequence. The
+def test_packed_forward_matches_forward(device, dtype, atol, stale):
+    """Three sequences in three of five slots, fed as the engine feeds them: prompts in chunks of
+    1-3 tokens, packed into the same forward as other slots' decode tokens, then one token at a time.
+    Every row that is due a token must get the plain forward's logits over its own sequence. The
     slots are dirty first, either holding other sequences' keys, which the mask alone must hide, or
     NaN in every position, which the mask cannot hide (0 * NaN is NaN): cache.clear, as nanobatch
-    calls it when a request moves into a slot, must leave nothing of it."""
+    calls it when a request leaves a slot, must leave nothing of it. The two idle slots keep their
+    NaN: their dropped rows must not leak into anyone's logits."""
     model, rng = tiny_gpt(device, dtype), random.Random(6)
-    n_slots, slots, T = 5, [3, 0, 4], 7
-    cache = model.new_cache(n_slots, max_len=24)
+    n_slots, max_len = 5, 24
+    cache, device = model.new_cache(n_slots, max_len), torch.device(device)
 
-    def tensor(rows):
-        return torch.tensor(rows, device=device)
+    def running(slot, prompt):  # the per-slot state that pack_step reads
+        return nanobatch.Running(slot, Request(prompt, max_len), slot, None, admit_step=0)
 
     with torch.no_grad():
         # 0) Dirty the cache: every slot full of another sequence's keys, or all NaN.
         if stale == "NaN":
             cache.kv.fill_(math.nan)
-            for slot in slots:
-                cache.clear(slot)
+            for slot in (3, 0, 4):
+                cache.clear(slot, max_len)
         else:
-            positions = torch.arange(24, device=device).expand(n_slots, 24)  # (S, 24)
-            old = tensor([random_prompt(rng, 24) for _ in range(n_slots)])
-            model.forward_cached(old, positions, cache, None, attention_mask(positions, 24))
-        # 1) Prefill: prompts of 7, 2 and 5 tokens right-padded with random tokens to T = 7, into
-        #    slots 3, 0, 4. Each row's last logits are those of its own padded row.
-        prompts = [random_prompt(rng, n) for n in (7, 2, 5)]
-        idx = tensor([p + random_prompt(rng, T - len(p)) for p in prompts])  # (3, T)
-        positions = torch.arange(T, device=device).expand(3, T)  # (3, T)
-        got = model.forward_cached(idx, positions, cache, tensor(slots), attention_mask(positions, T))  # (3, V)
-        want = model(idx)[:, -1]  # (3, V)
-        assert torch.allclose(got, want, rtol=0, atol=atol), f"prefill: {worst(got, want)}"
-        # 2) Decode 8 tokens each, overwriting the padding. Idle slots 1, 2 feed token 0 at position 0.
-        sequences = dict(zip(slots, prompts))
-        for step in range(8):
-            for sequence in sequences.values():
-                sequence.append(rng.randrange(V))
-            idx = tensor([[sequences[s][-1]] if s in sequences else [0] for s in range(n_slots)])  # (S, 1)
-            positions = tensor([[len(sequences[s]) - 1] if s in sequences else [0] for s in range(n_slots)])
-            mask = attention_mask(positions, int(positions.max()) + 1)  # (S, 1, L)
-            got = model.forward_cached(idx, positions, cache, None, mask)  # (S, V)
-            for s, sequence in sequences.items():
-                want = model(tensor([sequence]))[0, -1]  # (V,)
-                assert torch.allclose(got[s], want, rtol=0, atol=atol), \
-                    f"decode step {step}, slot {s} at position {len(sequence) - 1}: {worst(got[s], want)}"
+            old = [running(slot, random_prompt(rng, max_len)) for slot in range(n_slots)]
+            model.forward_packed(nanobatch.pack_step([(run, run.request.prompt) for run in old], [], n_slots,
+                                                     device)[0], cache)
+        # 1) Prompts of 7, 2 and 5 tokens into slots 3, 0, 4, fed in random chunks; once a prompt is
+        #    in, a random token is appended each step, as if sampled, and fed alone.
+        runs = [running(slot, random_prompt(rng, n)) for slot, n in [(3, 7), (0, 2), (4, 5)]]
+        n_checked = 0
+        for step in range(12):
+            work = []
+            for run in runs:
+                sequence = run.request.prompt + run.tokens
+                if run.n_cached == len(sequence):  # all in: the next token, fed alone
+                    run.tokens.append(rng.randrange(V))
+                    work.append((run, run.tokens[-1:]))
+                else:
+                    n = min(rng.randint(1, 3), len(sequence) - run.n_cached)
+                    work.append((run, sequence[run.n_cached:run.n_cached + n]))
+            packed, due = nanobatch.pack_step(work, [], n_slots, device)
+            got = model.forward_packed(packed, cache)  # (R, V)
+            for row, run in zip(got, due):
+                sequence = run.request.prompt + run.tokens
+                want = model(torch.tensor([sequence], device=device))[0, -1]  # (V,)
+                assert torch.allclose(row, want, rtol=0, atol=atol), \
+                    f"step {step}, slot {run.slot} at position {len(sequence) - 1}: {worst(row, want)}"
+                n_checked += 1
+            for run, ids in work:
+                run.n_cached += len(ids)
+        assert n_checked > 25, f"only {n_checked} rows were due a token: the feeding lost its teeth"
 
 
 # ---------------------------------------------------------------------------------------------
