@@ -21,13 +21,16 @@ T tokens in one prompt chunk, L cache positions attended over, R rows sampled, V
 """
 import argparse
 import math
+import numbers
 import os
 import random
+import reprlib
 import string
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -63,8 +66,7 @@ class Completion:
 
 
 # ---------------------------------------------------------------------------------------------
-# Sampling and stopping, one rule each, shared by the engine and the sequential reference;
-# and checking the input, so that nothing fails halfway.
+# Sampling and stopping, one rule each, shared by the engine and the sequential reference
 
 
 def new_sampler(request, device):
@@ -102,38 +104,114 @@ def stop_reason(request, tokens, max_len, eos_id):
     return None
 
 
-def check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk=None):
-    """Reject, before any work, everything that could not be served: nothing fails halfway."""
+# ---------------------------------------------------------------------------------------------
+# Checking the input before any work, so that nothing fails halfway: the forms people really
+# pass are accepted and turned into plain Python types; everything else is a ValueError that
+# names the field.
+
+
+def shown(value):
+    """value's repr, cut to a few dozen characters: an error message never echoes a whole prompt."""
+    return reprlib.repr(value)
+
+
+def is_int(value):
+    """True for an int or a numpy integer. False for a bool, though Python counts it as an int
+    (True + True == 2): a bool where a count or a token id belongs is a mistake, not a 1."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value):
+    """True for an int, a float or a numpy float; False for a bool, as in is_int."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def checked_int(value, name, lowest, highest=None, *, may_be_none=False):
+    """value as a plain int in lowest..highest (highest None: no upper bound), or a ValueError
+    naming the field."""
+    if value is None and may_be_none:
+        return None
+    if not (is_int(value) and lowest <= value and (highest is None or value <= highest)):
+        bounds = f">= {lowest}" if highest is None else f"in {lowest}..{highest}"
+        raise ValueError(f"{name} must be an int {bounds}{' or None' if may_be_none else ''}, "
+                         f"got {shown(value)}")
+    return int(value)
+
+
+def checked_temperature(value, name):
+    """value as a plain float, finite and >= 0, or a ValueError naming the field."""
+    try:
+        temperature = float(value) if is_real(value) else math.nan
+    except OverflowError:  # an int too large for any float
+        temperature = math.inf
+    if not 0 <= temperature < math.inf:  # NaN fails every comparison
+        raise ValueError(f"{name} must be a real number, finite and >= 0, got {shown(value)}")
+    return temperature
+
+
+def token_ids(prompt, name, vocab_size):
+    """The prompt as a plain list[int], or a ValueError naming the field. Any 1-D sequence of
+    integer ids will do: a list, a tuple, a 1-D tensor or numpy array of an integer dtype."""
+    if isinstance(prompt, (str, bytes)):
+        raise ValueError(f"{name} must be token ids, got a {type(prompt).__name__}: encode the text first")
+    if hasattr(prompt, "tolist"):  # a tensor or a numpy array: tolist() gives its ids as Python numbers
+        if getattr(prompt, "ndim", 1) != 1:
+            raise ValueError(f"{name} must be a 1-D sequence of int token ids, "
+                             f"got a {prompt.ndim}-D {type(prompt).__name__}")
+        prompt = prompt.tolist()
+    elif not isinstance(prompt, Sequence):  # a set or a generator has no order to trust, or no length
+        raise ValueError(f"{name} must be a 1-D sequence of int token ids, got {type(prompt).__name__}")
+    if len(prompt) == 0:
+        raise ValueError(f"{name} is empty: it needs at least one token id")
+    for index, token in enumerate(prompt):
+        # A float tensor's ids come out of tolist() as floats, a bool tensor's as bools: refused here.
+        if not is_int(token):
+            raise ValueError(f"{name} must be a 1-D sequence of int token ids, but index {index} holds "
+                             f"{shown(token)}, a {type(token).__name__}")
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"{name} has token id {token} (at index {index}), outside the vocabulary "
+                             f"0..{vocab_size - 1}")
+    return [int(token) for token in prompt]  # numpy integers become ints; the caller's list is not shared
+
+
+SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes (a negative seed wraps around)
+
+
+def check_arguments(model, requests, n_slots, max_len, eos_id, policy, *, prefill_chunk=None):
+    """Reject, before any work, everything that could not be served: nothing fails halfway.
+
+    Returns the requests as a new list of checked copies in plain Python types: each prompt a
+    list[int], each number an int or a float, whatever sequence or numeric type the caller used.
+    The caller's Request objects are left as they were. prefill_chunk: None, or the most prompt
+    tokens that may enter one step."""
     V, block_size = model.config.vocab_size, model.config.block_size
-    requests = list(requests)
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    if not (isinstance(n_slots, int) and n_slots >= 1):
-        raise ValueError(f"n_slots must be an int >= 1, got {n_slots!r}")
-    if not (isinstance(max_len, int) and 2 <= max_len <= block_size):
-        raise ValueError(f"max_len must be in 2..{block_size} (the model's block_size), got {max_len}")
-    if prefill_chunk is not None and not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
-        raise ValueError(f"prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")
-    if eos_id is not None and not 0 <= eos_id < V:
-        raise ValueError(f"eos_id must be a token id in 0..{V - 1} or None, got {eos_id}")
+    if not (isinstance(policy, str) and policy in POLICIES):
+        raise ValueError(f"policy must be one of {POLICIES}, got {shown(policy)}")
+    checked_int(n_slots, "n_slots", 1)
+    if not (is_int(max_len) and 2 <= max_len <= block_size):
+        raise ValueError(f"max_len must be an int in 2..{block_size} (the model's block_size), "
+                         f"got {shown(max_len)}")
+    checked_int(eos_id, "eos_id", 0, V - 1, may_be_none=True)
+    checked_int(prefill_chunk, "prefill_chunk", 1, may_be_none=True)
+    if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
+        raise ValueError(f"requests must be an iterable of Request, got {type(requests).__name__}")
+    requests = list(requests)  # read once: a generator would be used up by the checks below
+    checked = []
     for i, r in enumerate(requests):
-        if not isinstance(r.prompt, list) or len(r.prompt) == 0:
-            raise ValueError(f"requests[{i}].prompt must be a non-empty list of token ids, got {r.prompt!r}")
-        if bad := [t for t in r.prompt if not (isinstance(t, int) and 0 <= t < V)]:
-            raise ValueError(f"requests[{i}].prompt has token id {bad[0]!r}, outside the vocabulary "
-                             f"0..{V - 1}")
-        if len(r.prompt) >= max_len:
-            raise ValueError(f"requests[{i}].prompt has {len(r.prompt)} tokens, which leaves no room in "
+        if not isinstance(r, Request):
+            raise ValueError(f"requests[{i}] must be a Request, got {type(r).__name__}")
+        prompt = token_ids(r.prompt, f"requests[{i}].prompt", V)
+        if len(prompt) >= max_len:
+            raise ValueError(f"requests[{i}].prompt has {len(prompt)} tokens, which leaves no room in "
                              f"max_len={max_len}: at most {max_len - 1} fit")
-        if not (isinstance(r.max_new_tokens, int) and r.max_new_tokens >= 1):
-            raise ValueError(f"requests[{i}].max_new_tokens must be an int >= 1, got {r.max_new_tokens!r}")
-        if not (math.isfinite(r.temperature) and r.temperature >= 0):
-            raise ValueError(f"requests[{i}].temperature must be finite and >= 0, got {r.temperature}")
-        if r.top_k is not None and not (isinstance(r.top_k, int) and r.top_k >= 1):
-            raise ValueError(f"requests[{i}].top_k must be an int >= 1 or None, got {r.top_k!r}")
-        if not (isinstance(r.arrival, int) and r.arrival >= 0):
-            raise ValueError(f"requests[{i}].arrival must be an int >= 0, got {r.arrival!r}")
-    return requests
+        checked.append(replace(  # a copy in plain types, each number checked as it is converted
+            r, prompt=prompt,
+            max_new_tokens=checked_int(r.max_new_tokens, f"requests[{i}].max_new_tokens", 1),
+            temperature=checked_temperature(r.temperature, f"requests[{i}].temperature"),
+            top_k=checked_int(r.top_k, f"requests[{i}].top_k", 1, may_be_none=True),
+            seed=checked_int(r.seed, f"requests[{i}].seed", *SEED_RANGE, may_be_none=True),
+            arrival=checked_int(r.arrival, f"requests[{i}].arrival", 0)))
+    return checked
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,7 +368,7 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
     on_step: called with a StepReport after every step (the library itself prints nothing).
     """
     max_len = model.config.block_size if max_len is None else max_len
-    requests = check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk)
+    requests = check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk=prefill_chunk)
     device = model.lm_head.weight.device
     cache = model.new_cache(n_slots, max_len)  # the only large allocation, reused by every request
     pending = deque(sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i)))
@@ -462,7 +540,7 @@ def run_all(model, requests, runs, args, eos_id, show_belt):
     summaries, completions = {}, {}
     for _, n_slots, policy, prefill_chunk in runs:  # refuse bad input before printing anything
         check_arguments(model, requests, n_slots, args.max_len or model.config.block_size, eos_id, policy,
-                        prefill_chunk)
+                        prefill_chunk=prefill_chunk)
     for name, n_slots, policy, prefill_chunk in runs:
         finished, reports, start = [None] * len(requests), [], time.perf_counter()
 
