@@ -19,8 +19,10 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+import xml.etree.ElementTree as ET
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -917,3 +919,121 @@ def test_cli_error_is_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and lines[0].startswith("nanobatch: error:") and "slots" in lines[0], result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# 6) The belt as a picture: every stay drawn where and as long as it was, in its own colour
+
+
+SVG = "{http://www.w3.org/2000/svg}"  # ElementTree names SVG's elements by namespace
+
+
+def stay(slot, admit_step, first_token_step, finish_step):
+    """A stand-in for a Completion: what belt_svg reads, and nothing else."""
+    return SimpleNamespace(slot=slot, admit_step=admit_step, first_token_step=first_token_step,
+                           finish_step=finish_step, tokens=[0] * (finish_step - first_token_step + 1))
+
+
+def headline(n_steps):
+    return {"steps": n_steps, "tokens/s": 49.3, "TTFT P50/P99 (steps)": (6, 11)}
+
+
+# Six requests on a belt of 3 slots, the last unfinished (None): B and D spend steps prefilling only.
+CONTINUOUS = [stay(0, 0, 0, 4), stay(1, 0, 2, 9), stay(2, 0, 0, 2), stay(2, 3, 5, 7), stay(0, 5, 5, 6), None]
+STATIC = [stay(0, 0, 0, 4), stay(1, 0, 2, 9), stay(2, 0, 0, 2), stay(0, 10, 12, 14), stay(1, 10, 10, 11), None]
+BELTS = [("continuous", 3, CONTINUOUS, headline(10)), ("static", 3, STATIC, headline(15))]
+
+
+def drawn_panels(svg):
+    """The SVG parsed back -> per panel: (its px per step, {request: its stay bar}, {request: its
+    prefill mark}). Parsing is the first check: a browser shows nothing of a malformed file."""
+    panels = []
+    for group in ET.fromstring(svg).iter(f"{SVG}g"):
+        if group.get("class") == "panel":
+            def by_request(kind):
+                rects = [r for r in group.iter(f"{SVG}rect") if r.get("class") == kind]
+                by_index = {int(r.get("data-request")): r for r in rects}
+                assert len(by_index) == len(rects), f"a request with two {kind} rects"
+                return by_index
+            panels.append((float(group.get("data-step-width")), by_request("stay"), by_request("prefill")))
+    return panels
+
+
+def check_stays(svg, belts):
+    """Per panel: exactly one bar per finished request, on its slot's row, from its admit step, as long
+    as its stay, never over another in its slot; a hatched mark over exactly its prefill-only steps."""
+    panels = drawn_panels(svg)
+    assert len(panels) == len(belts)
+    assert len({step_w for step_w, _, _ in panels}) == 1, "panels on different step scales"
+    for (title, _, completions, _), (step_w, bars, prefills) in zip(belts, panels):
+        # 1) Which: every finished request, and no other; hatched, those that spent steps prefilling.
+        finished = {i for i, c in enumerate(completions) if c is not None}
+        prefilling = {i for i in finished if completions[i].first_token_step > completions[i].admit_step}
+        assert bars.keys() == finished, \
+            f"{title}: bars for {sorted(bars.keys() - finished)} unfinished, none for {sorted(finished - bars.keys())}"
+        assert prefills.keys() == prefilling, \
+            f"{title}: marks on {sorted(prefills.keys() - prefilling)}, none on {sorted(prefilling - prefills.keys())}"
+        # 2) Where: each slot on a row of its own, each bar from its admit step (step 0 at one x).
+        row_of_slot, step_0_at = {}, set()
+        for i, bar in bars.items():
+            c = completions[i]
+            y = row_of_slot.setdefault(c.slot, bar.get("y"))
+            assert bar.get("y") == y, f"{title}: slot {c.slot} drawn on two rows"
+            assert (int(bar.get("data-slot")), int(bar.get("data-admit"))) == (c.slot, c.admit_step)
+            step_0_at.add(round(float(bar.get("x")) - c.admit_step * step_w, 1))
+        assert len(set(row_of_slot.values())) == len(row_of_slot), f"{title}: two slots on one row"
+        assert len(step_0_at) == 1, f"{title}: bars not at their admit steps, step 0 at x = {step_0_at}"
+        # 3) How long: a stay of n steps is n step-widths; a mark covers the prefill-only steps.
+        for i, bar in bars.items():
+            c, width = completions[i], float(bar.get("width"))
+            n_steps = c.finish_step - c.admit_step + 1
+            assert width == pytest.approx(n_steps * step_w, abs=0.02), \
+                f"{title}: request {i}'s bar is {width / step_w:.2f} steps long, its stay {n_steps}"
+        for i, mark in prefills.items():
+            c, bar = completions[i], bars[i]
+            assert (mark.get("x"), mark.get("y")) == (bar.get("x"), bar.get("y")), f"request {i}'s mark"
+            n_prefill_steps = c.first_token_step - c.admit_step
+            assert float(mark.get("width")) == pytest.approx(n_prefill_steps * step_w, abs=0.02), f"request {i}"
+        # 4) No two bars on top of each other in a slot.
+        for slot in row_of_slot:
+            in_slot = sorted((float(bar.get("x")), float(bar.get("width")), i) for i, bar in bars.items()
+                             if completions[i].slot == slot)
+            for (x, width, i), (next_x, _, j) in zip(in_slot, in_slot[1:]):
+                assert x + width <= next_x + 0.02, f"{title}: requests {i} and {j} overlap in slot {slot}"
+
+
+def test_belt_svg_draws_every_stay():
+    """Two runs of six requests, by hand: each bar where and as long as its stay, nothing for the
+    unfinished request, the headline figures in the titles."""
+    svg = nanobatch.belt_svg(BELTS)
+    check_stays(svg, BELTS)
+    titles = [t.text for t in ET.fromstring(svg).iter(f"{SVG}text") if t.get("font-weight") == "bold"]
+    assert titles == ["continuous, 3 slots: 10 steps, 49.3 tokens/s, TTFT P50 6 steps",
+                      "static, 3 slots: 15 steps, 49.3 tokens/s, TTFT P50 6 steps"], titles
+
+
+def test_belt_svg_one_colour_per_request():
+    """A colour names a request: the same in every panel, and different for each of the six."""
+    panels = drawn_panels(nanobatch.belt_svg(BELTS))
+    fills = [{i: bar.get("fill") for i, bar in bars.items()} for _, bars, _ in panels]
+    assert fills[0] == fills[1], fills
+    assert len(set(fills[0].values())) == len(fills[0]), fills[0]
+
+
+def test_belt_svg_64_slots_300_steps():
+    """A busy belt, 64 slots for 300 steps: it still parses, every stay is drawn, and every bar fits
+    inside the picture."""
+    rng, completions = random.Random(0), []
+    for slot in range(64):  # stays one after another, now and then an idle step between
+        step = rng.randrange(5)
+        while step + (length := rng.randint(1, 40)) <= 300:
+            n_prefill_steps = min(rng.choice([0, 0, 1, 3]), length - 1)
+            completions.append(stay(slot, step, step + n_prefill_steps, step + length - 1))
+            step += length + rng.randrange(3)
+    completions[7] = None  # one cut short
+    belts = [("continuous", 64, completions, headline(300))]
+    svg = nanobatch.belt_svg(belts)
+    check_stays(svg, belts)
+    width = float(ET.fromstring(svg).get("width"))
+    _, bars, _ = drawn_panels(svg)[0]
+    assert max(float(bar.get("x")) + float(bar.get("width")) for bar in bars.values()) <= width
