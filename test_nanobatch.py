@@ -125,16 +125,29 @@ def n_active(completions, step):
     return sum(c.admit_step <= step <= c.finish_step for c in completions)
 
 
-def check_clock(requests, completions, n_slots, policy):
-    """Check the schedule from admit_step and finish_step alone; returns how many steps had a queue."""
+def check_clock(requests, completions, n_slots, policy, prefill_chunk=None, reports=()):
+    """Check the schedule from admit_step, first_token_step and finish_step, and the prompt budget
+    from the step reports if given; returns how many steps had a queue."""
     n, n_queued_steps = len(requests), 0
     for i, (r, c) in enumerate(zip(requests, completions)):
-        assert c.finish_step == c.admit_step + len(c.tokens) - 1, f"request {i}: one token per step broken: {c}"
+        assert c.finish_step == c.first_token_step + len(c.tokens) - 1, f"request {i}: one token per step broken: {c}"
         assert c.admit_step >= r.arrival, f"request {i} admitted at step {c.admit_step}, before it arrived"
+        n_prompt_steps = c.first_token_step - c.admit_step + 1  # steps its prompt took, the first token's included
+        if prefill_chunk is None:
+            assert n_prompt_steps == 1, f"request {i}: a whole prompt took {n_prompt_steps} steps: {c}"
+        else:
+            assert n_prompt_steps >= math.ceil(len(r.prompt) / prefill_chunk), f"request {i}: over budget: {c}"
         assert 0 <= c.ttft_s <= c.latency_s, f"request {i}: first token after the last one: {c}"
+        assert len(c.token_times_s) == len(c.tokens) and c.token_times_s == sorted(c.token_times_s), c
     fcfs = sorted(range(n), key=lambda i: (requests[i].arrival, i))  # first come, first served
-    admits = [completions[i].admit_step for i in fcfs]
-    assert admits == sorted(admits), f"admitted out of arrival order: requests {fcfs} at steps {admits}"
+    for field in ("admit_step", "first_token_step"):  # slots, then the prompt budget, go in arrival order
+        steps = [getattr(completions[i], field) for i in fcfs]
+        assert steps == sorted(steps), f"{field} out of arrival order: requests {fcfs} at steps {steps}"
+    for report in reports:  # the budget is kept, and used in full while a prompt is left unfinished
+        budget = math.inf if prefill_chunk is None else prefill_chunk
+        assert report.n_prompt_tokens <= budget, f"step {report.step}: {report.n_prompt_tokens} prompt tokens"
+        assert report.n_prefilling == 0 or report.n_prompt_tokens == budget, \
+            f"step {report.step}: {report.n_prompt_tokens} of {budget} prompt tokens while {report.n_prefilling} wait"
     for t in range(max(c.finish_step for c in completions) + 1):
         waiting = [i for i in range(n) if requests[i].arrival <= t < completions[i].admit_step]
         active = n_active(completions, t)
@@ -176,36 +189,45 @@ def workload(request, gpt_on):
     return requests, eos_id, generate_sequential(gpt_on, requests, max_len=MAX_LEN, eos_id=eos_id)
 
 
+@pytest.mark.parametrize("prefill_chunk", [None, 1, 5])  # whole prompts, a token a step, a few
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("n_slots", [1, 3, 16])  # one slot, a few, more slots than requests
-def test_generate_matches_sequential(gpt_on, workload, n_slots, policy):
+def test_generate_matches_sequential(gpt_on, workload, n_slots, policy, prefill_chunk):
     """The heart of it: batching must change when tokens are computed, never which. Same tokens,
-    same finish reasons as one request at a time through the plain forward, greedy and sampled."""
+    same finish reasons as one request at a time through the plain forward, greedy and sampled,
+    whole prompts or prompts cut into chunks that ride along with other slots' decoding."""
     requests, eos_id, reference = workload
     reasons = {c.finish_reason for c in reference}
     assert reasons == {"eos", "length", "context"}, f"the workload must end answers every way, got {reasons}"
     check_stops(requests, reference, MAX_LEN, eos_id)  # the reference itself obeys the stopping rules
-    got = generate(gpt_on, requests, n_slots=n_slots, max_len=MAX_LEN, eos_id=eos_id, policy=policy)
+    reports = []
+    got = generate(gpt_on, requests, n_slots=n_slots, max_len=MAX_LEN, eos_id=eos_id, policy=policy,
+                   prefill_chunk=prefill_chunk, on_step=reports.append)
     assert first_difference(got, reference) == ""
-    check_clock(requests, got, n_slots, policy)
+    check_clock(requests, got, n_slots, policy, prefill_chunk, reports)
+    if prefill_chunk is not None and n_slots > 1:  # some prompt was cut, and rode along with decoding
+        assert any(report.n_prefilling and report.n_running for report in reports), "no chunk rode with decoding"
     if n_slots < len(requests):  # late requests found the belt busy and others already queued
         queued_behind = [i for i, r in enumerate(requests) if 0 < r.arrival < got[i].admit_step and any(
             requests[j].arrival < r.arrival < got[j].admit_step for j in range(len(requests)))]
         assert queued_behind, "no late request had to queue behind others: the workload lacks teeth"
-    if n_slots == 1:  # one slot is the sequential reference's own clock
+    if n_slots == 1 and prefill_chunk is None:  # one slot is the sequential reference's own clock
         assert [(c.admit_step, c.finish_step) for c in got] == [(c.admit_step, c.finish_step) for c in reference]
 
 
+@pytest.mark.parametrize("prefill_chunk", [None, 3])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("n_slots", [1, 2, 5])
-def test_clock(gpt, n_slots, policy):
-    """The schedule, from admit_step and finish_step alone, on random workloads: one token per step,
-    first come first served, continuous never idles a slot while a request waits, static admits only
-    into an empty belt. Each schedule judged by the other policy's rules must fail: the check bites."""
+def test_clock(gpt, n_slots, policy, prefill_chunk):
+    """The schedule, on random workloads: one token per step after the first, prompts within their
+    budget, first come first served, continuous never idles a slot while a request waits, static
+    admits only into an empty belt. Each schedule judged by the other policy's rules must fail."""
     for seed in (1, 2):
-        requests = random_workload(seed, n_requests=16)
-        completions = generate(gpt, requests, n_slots=n_slots, max_len=MAX_LEN, eos_id=None, policy=policy)
-        assert check_clock(requests, completions, n_slots, policy) > 0, "nothing ever waited: a toothless workload"
+        requests, reports = random_workload(seed, n_requests=16), []
+        completions = generate(gpt, requests, n_slots=n_slots, max_len=MAX_LEN, eos_id=None, policy=policy,
+                               prefill_chunk=prefill_chunk, on_step=reports.append)
+        assert check_clock(requests, completions, n_slots, policy, prefill_chunk, reports) > 0, \
+            "nothing ever waited: a toothless workload"
         if n_slots > 1:
             other = POLICIES[1 - POLICIES.index(policy)]
             with pytest.raises(AssertionError):
