@@ -50,7 +50,7 @@ class PackedStep:
     positions: torch.Tensor  # (M,) each token's position in its slot
     slots: torch.Tensor  # (M,) each token's slot
     n_one_token: int  # D: rows [0, D) are one-token rows
-    one_token_mask: torch.Tensor | None  # (S, 1, L) bool: slot s's query may see position l; None if D = 0
+    one_token_mask: torch.Tensor  # (S, 1, L) bool: slot s's one-token query may see position l
     chunks: list  # (rows, slot, mask): a slice of rows, their slot, (T, L) bool mask over that slot
     logit_rows: torch.Tensor  # (R,) rows whose next-token logits are wanted
 

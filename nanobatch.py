@@ -94,6 +94,20 @@ def sample(logits, request, generator):
     return torch.multinomial(probs, 1, generator=generator)[0]
 
 
+def sample_step(logits, runs, device):
+    """The next token of each run, from its row of logits (R, V), as Python ints. They come back
+    from the device in one copy, the step's only wait for it, not in one wait per run."""
+    if not runs:  # a step of mid-prompt chunks only: nothing to read back, but timings must be true
+        synchronize(device)
+        return []
+    return torch.stack([sample(row, run.request, run.sampler) for row, run in zip(logits, runs)]).tolist()
+
+
+def synchronize(device):
+    if device.type == "cuda":  # GPU work is queued, not done, when Python moves on
+        torch.cuda.synchronize(device)
+
+
 def stop_reason(request, tokens, max_len, eos_id):
     """Why the request is done after its newest token, or None if it goes on."""
     if tokens[-1] == eos_id:
@@ -245,11 +259,11 @@ def pack_step(work, padding_slots, n_slots, device):
     work: [(run, the token ids it feeds)]. padding_slots: slots that feed a token nobody reads
     (static batching's finished rows). One-token rows come first, one per slot; then the chunks.
     """
-    one_token = [(run.slot, run.n_cached, ids, run) for run, ids in work if len(ids) == 1]
-    one_token += [(slot, 0, [0], None) for slot in padding_slots]  # token 0 at position 0, read by none
-    chunks = [(run.slot, run.n_cached, ids, run) for run, ids in work if len(ids) > 1]
+    one_token = [(run, run.slot, run.n_cached, ids) for run, ids in work if len(ids) == 1]
+    one_token += [(None, slot, 0, [0]) for slot in padding_slots]  # token 0 at position 0, read by none
+    chunks = [(run, run.slot, run.n_cached, ids) for run, ids in work if len(ids) > 1]
     tokens, positions, slots, logit_rows, to_sample = [], [], [], [], []
-    for slot, first_position, ids, run in one_token + chunks:
+    for run, slot, first_position, ids in one_token + chunks:
         tokens += ids
         positions += range(first_position, first_position + len(ids))
         slots += [slot] * len(ids)
@@ -258,28 +272,25 @@ def pack_step(work, padding_slots, n_slots, device):
         if run is not None and run.n_cached + len(ids) == len(run.request.prompt) + len(run.tokens):
             logit_rows.append(len(tokens) - 1)
             to_sample.append(run)
-    slot_positions = [0] * n_slots  # each slot's one-token query position (0 for a slot with none)
-    for slot, first_position, _, _ in one_token:
-        slot_positions[slot] = first_position
-    # Every index of the step in one host-to-device copy, made while the device is idle: the
-    # previous step ended by reading its tokens back.
-    D, M, R = len(one_token), len(tokens), len(logit_rows)
-    index = torch.tensor(tokens + positions + slots + slot_positions + logit_rows, device=device)
-    tokens, positions, slots, slot_positions, logit_rows = index.split([M, M, M, n_slots, R])
-    L = max(first_position for _, first_position, _, _ in one_token) + 1 if D else 0
-    one_token_mask = attention_mask(slot_positions[:, None], L) if D else None  # (S, 1, L)
-    chunk_masks, first_row = [], D
-    for slot, first_position, ids, _ in chunks:
+    query_positions = [0] * n_slots  # each slot's one-token row's position (0 for a slot with none)
+    for _, slot, first_position, _ in one_token:
+        query_positions[slot] = first_position
+    # Every index of the step in one host-to-device copy, made while the device is idle anyway:
+    # the previous step ended by reading its tokens back.
+    M, R = len(tokens), len(logit_rows)
+    index = torch.tensor(tokens + positions + slots + query_positions + logit_rows, device=device)
+    tokens_t, positions_t, slots_t, query_positions_t, logit_rows_t = index.split([M, M, M, n_slots, R])
+    one_token_mask = attention_mask(query_positions_t[:, None], max(query_positions) + 1)  # (S, 1, L)
+    chunk_masks, first_row = [], len(one_token)
+    for _, slot, first_position, ids in chunks:
         rows = slice(first_row, first_row + len(ids))
-        mask = attention_mask(positions[rows][None], first_position + len(ids))[0]  # (T, L)
+        mask = attention_mask(positions_t[rows][None], first_position + len(ids))[0]  # (T, L)
         chunk_masks.append((rows, slot, mask))
         first_row += len(ids)
-    return PackedStep(tokens, positions, slots, D, one_token_mask, chunk_masks, logit_rows), to_sample
+    packed = PackedStep(tokens_t, positions_t, slots_t, len(one_token), one_token_mask, chunk_masks, logit_rows_t)
+    return packed, to_sample
 
 
-def synchronize(device):
-    if device.type == "cuda":  # GPU work is queued, not done, when Python moves on
-        torch.cuda.synchronize(device)
 # ---------------------------------------------------------------------------------------------
 # The loop
 
@@ -402,12 +413,7 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
             # 4) One forward over all of them; a new token for every run that is due one.
             packed, to_sample = pack_step(work, padding_slots, n_slots, device)
             logits = model.forward_packed(packed, cache)  # (R, V)
-            if to_sample:  # the step's one device-to-host copy: all its new tokens at once
-                new_tokens = torch.stack([sample(row, run.request, run.sampler)
-                                          for row, run in zip(logits, to_sample)]).tolist()
-            else:  # a step of mid-prompt chunks only: nothing to read back, but model_s must be true
-                new_tokens = []
-                synchronize(device)
+            new_tokens = sample_step(logits, to_sample, device)
             now = time.perf_counter()
             for run, ids in work:
                 run.n_cached += len(ids)
