@@ -30,7 +30,7 @@ import torch
 import model as model_py
 import nanobatch
 from model import GPT, GPTConfig
-from nanobatch import POLICIES, Request, attention_mask, generate, generate_sequential, sample
+from nanobatch import POLICIES, Request, attention_mask, generate, generate_sequential, sample, verdict
 
 TINY = dict(block_size=64, vocab_size=50257, n_layer=2, n_head=4, n_embd=64)
 V = TINY["vocab_size"]
@@ -1059,3 +1059,88 @@ def test_belt_svg_64_slots_300_steps():
     width = float(ET.fromstring(svg).get("width"))
     _, bars, _ = drawn_panels(svg)[0]
     assert max(float(bar.get("x")) + float(bar.get("width")) for bar in bars.values()) <= width
+
+
+# ---------------------------------------------------------------------------------------------
+# 7) --verify: every answer identical in float64, a broken engine named, the verdict's rule
+
+
+def test_verify_float64_every_answer_identical(tmp_path):
+    """In float64 the engine's greedy answers are the reference's, every one: exit status 0."""
+    result = run_cli(tmp_path, "--verify", "--quick", "--dtype", "float64")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    answers = [line for line in result.stdout.splitlines() if line[:1].isalpha() and line[1:3] == "  "]
+    assert len(answers) == 12 and all(line.split()[1] == "identical" for line in answers), result.stdout
+    assert "12 answers: 12 identical, 0 rounding, 0 BUG" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("broken_mask", [decode_sees_everything, prefill_sees_the_future])
+def test_verify_names_a_broken_engine(monkeypatch, capsys, broken_mask):
+    """Teeth: with a broken mask, every answer that differs (the first one among them) is a BUG,
+    none passes for rounding, and the exit status is 1."""
+    monkeypatch.setattr(nanobatch, "attention_mask", broken_mask)
+    with pytest.raises(SystemExit) as exit_status:
+        nanobatch.main(["--verify", "--quick", "--dtype", "float64", "--device", "cpu"])
+    out = capsys.readouterr().out
+    verdicts = [line.split()[1] for line in out.splitlines() if line[:1].isalpha() and line[1:3] == "  "]
+    differing = [name for name in verdicts if name != "identical"]
+    assert exit_status.value.code == 1, out
+    assert differing and set(differing) == {"BUG"}, out
+
+
+def test_verify_refuses_sampling(capsys):
+    """--verify compares greedy answers: a temperature is bad input, exit status 2."""
+    with pytest.raises(SystemExit) as exit_status:
+        nanobatch.main(["--verify", "--quick", "--temperature", "0.8"])
+    assert exit_status.value.code == 2
+    assert "greedy" in capsys.readouterr().err
+
+
+def logits(*values, dtype=torch.float32):
+    return torch.tensor(values, dtype=dtype)
+
+
+def test_verdict_rounding_within_the_dtype_error():
+    """Tokens 0 and 1 are 1e-4 apart in float64. The reference is 2e-4 off and takes token 1, the
+    engine 3e-4 off and takes token 0: a flip within the error the dtype itself makes."""
+    exact = logits(1.0, 1.0001, 0.0, -1.0, dtype=torch.float64)
+    sequential = logits(1.0, 1.0003, -0.0001, -1.0)  # takes token 1
+    batched = logits(1.0003, 1.0, 0.0, -1.0)  # takes token 0
+    name, figures = verdict(batched, sequential, exact)
+    assert name == "rounding", figures
+    assert figures["reference margin"] == pytest.approx(3e-4, abs=1e-6), figures
+    assert figures["batched error"] == pytest.approx(3e-4, abs=1e-6), figures
+    assert figures["reference error"] == pytest.approx(2e-4, abs=1e-6), figures
+
+
+def test_verdict_bug_across_a_wide_margin():
+    """The reference is 1e-4 off and takes token 0, 2 ahead; the engine takes token 1, 2 off."""
+    exact = logits(3.0, 1.0, 0.0, -1.0, dtype=torch.float64)
+    sequential = logits(3.0001, 1.0, 0.0, -1.0)
+    batched = logits(1.0, 3.0, 0.0, -1.0)
+    name, figures = verdict(batched, sequential, exact)
+    assert name == "BUG", figures
+    assert figures["batched error"] == pytest.approx(2.0), figures
+
+
+def test_verdict_bug_at_a_near_tie():
+    """The trap the margin sets: tokens 0 and 1 are 1e-4 apart, and the engine's logits differ
+    from the reference's by 0.01, far more than the margin. A margin-against-difference rule would
+    call this rounding, but the reference is 1e-6 off the exact logits and the engine 0.01: BUG."""
+    exact = logits(1.0, 1.0001, 0.0, -1.0, dtype=torch.float64)
+    sequential = logits(1.000001, 1.0001, 0.0, -1.0)
+    batched = logits(1.01, 1.0001, 0.0, -1.0)
+    name, figures = verdict(batched, sequential, exact)
+    assert figures["reference margin"] < figures["|batched - reference|"], figures
+    assert name == "BUG", figures
+
+
+@pytest.mark.parametrize("offset, expected", [(4e-16, "rounding"), (1e-9, "BUG"), (math.nan, "BUG")])
+def test_verdict_in_float64(offset, expected):
+    """In float64 the reference is the exact recomputation, its error 0: the engine may be off by
+    rounding in the last bits only (the tolerance is a few roundings of the largest logit), and a
+    NaN is never rounding."""
+    exact = logits(1.0, 1.0, 0.5, -2.0, dtype=torch.float64)
+    batched = exact + logits(offset, 0.0, 0.0, 0.0, dtype=torch.float64)
+    name, figures = verdict(batched, exact.clone(), exact)
+    assert name == expected, figures
