@@ -16,8 +16,9 @@ A belt of S slots, each able to hold one sequence's keys and values in the KV ca
 Static batching is the same loop with one decision changed (`slots_to_fill`): it refills only an
 empty belt, so a short answer's slot idles until the longest answer of its batch is done.
 
-Shape legend (as in model.py): S slots, M tokens packed into a step, D of them one-token rows,
-T tokens in one prompt chunk, L cache positions attended over, R rows sampled, V vocabulary size.
+Shapes in comments use model.py's legend; those met here: S slots, B rows of queries, M tokens
+packed into a step, D of them one-token rows, T tokens in one prompt chunk, L cache positions
+attended over, R rows sampled, V vocabulary size.
 """
 import argparse
 import copy
@@ -32,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
 
 import torch
@@ -484,10 +486,28 @@ def percentile(values, q):
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
+LEGEND = {  # each figure of summarize(), in the table's order, and what it counts
+    "steps": "loop steps run, each one forward over what the belt holds",
+    "generated tokens": "tokens sampled, all requests together",
+    "wall time (s)": "seconds for the whole run",
+    "tokens/s": "generated tokens / wall time",
+    "tokens/s while queued": "the same, over the steps that left a request waiting: the rate under load",
+    "mean occupancy": "share of slot-steps holding a request (taking in its prompt, or decoding)",
+    "occupancy while queued": "the same, over the steps that left a request waiting: below 100% is waste",
+    "latency P50/P99 (steps)": "steps from a request's arrival to its last token: median / 99th percentile",
+    "latency P50/P99 (s)": "the same in seconds",
+    "TTFT P50/P99 (steps)": "time to first token: steps from a request's arrival to its first token",
+    "TTFT P50/P99 (s)": "the same in seconds",
+    "TBT P50/P99 (ms)": "time between tokens: the gaps between a request's consecutive tokens",
+    "slowest step (ms)": "the longest pause any running request saw, however rare",
+    "time outside the model": "share of the wall time spent scheduling and printing, not in the model",
+}
+
+
 def summarize(requests, completions, reports, wall_s):
-    """The figures of one run. Throughput and occupancy come from its step reports, so a run cut
-    short still counts the tokens of requests that had not finished; latencies come from the
-    completions (None for a request not finished)."""
+    """The figures of one run, named as in LEGEND. Throughput and occupancy come from its step
+    reports, so a run cut short still counts the tokens of requests that had not finished;
+    latencies come from the completions (None for a request not finished)."""
     n_slots = len(reports[0].belt)
     done = [(r, c) for r, c in zip(requests, completions) if c is not None]
     queued = [report for report in reports if report.n_waiting > 0]  # steps that left someone waiting
@@ -500,7 +520,8 @@ def summarize(requests, completions, reports, wall_s):
         return (percentile(values, 50), percentile(values, 99)) if values else None
 
     n_tokens = sum(report.n_running for report in reports)
-    gaps = [later - earlier for _, c in done for earlier, later in zip(c.token_times_s, c.token_times_s[1:])]
+    gaps_ms = [1e3 * (later - earlier) for _, c in done
+               for earlier, later in zip(c.token_times_s, c.token_times_s[1:])]
     return {
         "steps": len(reports),
         "generated tokens": n_tokens,
@@ -514,24 +535,30 @@ def summarize(requests, completions, reports, wall_s):
         "latency P50/P99 (s)": p50_p99([c.latency_s for _, c in done]),
         "TTFT P50/P99 (steps)": p50_p99([c.first_token_step - r.arrival + 1 for r, c in done]),
         "TTFT P50/P99 (s)": p50_p99([c.ttft_s for _, c in done]),
-        "TBT P50/P99 (s)": p50_p99(gaps),
-        "slowest step (s)": max(report.step_s for report in reports),
+        "TBT P50/P99 (ms)": p50_p99(gaps_ms),
+        "slowest step (ms)": 1e3 * max(report.step_s for report in reports),
         "time outside the model": 1 - sum(report.model_s for report in reports) / wall_s,
     }
 
 
-def print_table(summaries):
-    """{run name: summarize(...)}, side by side."""
-    def cell(value):
+def print_table(summaries, legend=False):
+    """{run name: summarize(...)}, side by side; legend: then a line saying what each row counts."""
+    def cell(row, value):
         if isinstance(value, tuple):
-            return " / ".join(cell(v) for v in value)
-        return str(value) if isinstance(value, int) else f"{value:.2f}"
-    print(f"\n{'':24}" + "".join(f"{name:>16}" for name in summaries))
-    for row in next(iter(summaries.values())):
-        values = [summary[row] for summary in summaries.values()]
-        cells = ["-" if v is None else f"{v:.0%}" if "occupancy" in row or "outside" in row else cell(v)
-                 for v in values]
-        print(f"{row:24}" + "".join(f"{c:>16}" for c in cells))
+            return " / ".join(cell(row, v) for v in value)
+        if value is None:
+            return "-"
+        if "occupancy" in row or "outside" in row:
+            return f"{value:.0%}"
+        if isinstance(value, int):
+            return str(value)
+        return f"{value:.{2 if value < 10 else 1 if value < 100 else 0}f}"  # 3 digits, or all before the point
+
+    print(f"\n{'':24}" + "".join(f"{name:>18}" for name in summaries))
+    for row in LEGEND:
+        print(f"{row:24}" + "".join(f"{cell(row, summary[row]):>18}" for summary in summaries.values()))
+    if legend:
+        print("\n" + "\n".join(f"{row}: {meaning}" for row, meaning in LEGEND.items()))
 
 
 def print_step(report):
@@ -540,47 +567,6 @@ def print_step(report):
     events += [f"-{letter(i)}({c.finish_reason},{len(c.tokens)})" for i, c in report.finished]
     print(f"step {report.step:4d} |{report.belt}| {report.n_running:2d}/{len(report.belt)} "
           f"waiting {report.n_waiting:3d}  {' '.join(events)}", flush=True)
-
-
-def run_all(model, requests, runs, args, eos_id, show_belt):
-    """Serve the same requests once per (name, n_slots, policy, prefill_chunk) in runs -> summaries,
-    completions. Ctrl-C prints the summary so far and exits 130."""
-    summaries, completions = {}, {}
-    for _, n_slots, policy, prefill_chunk in runs:  # refuse bad input before printing anything
-        check_arguments(model, requests, n_slots, args.max_len or model.config.block_size, eos_id, policy,
-                        prefill_chunk=prefill_chunk)
-    for name, n_slots, policy, prefill_chunk in runs:
-        finished, reports, start = [None] * len(requests), [], time.perf_counter()
-
-        def on_step(report):
-            reports.append(report)
-            for i, completion in report.finished:
-                finished[i] = completion
-            if show_belt:
-                print_step(report)
-            elif sys.stderr.isatty():  # a long quiet run still shows that it is alive
-                print(f"\r{name}: step {report.step}", end="", file=sys.stderr, flush=True)
-
-        if show_belt:
-            print(f"\n== {name}: {len(requests)} requests, {n_slots} slots (letter: the request that made a "
-                  f"token in that slot; '~': a prompt still going in; '.': a slot doing no useful work)")
-        try:
-            generate(model, requests, n_slots=n_slots, max_len=args.max_len, eos_id=eos_id, policy=policy,
-                     prefill_chunk=prefill_chunk, on_step=on_step)
-        except KeyboardInterrupt:
-            n_finished = sum(c is not None for c in finished)
-            print(f"\ninterrupted after {len(reports)} steps: tokens and occupancy count every request, "
-                  f"latencies only the {n_finished} finished")
-            if reports:
-                summaries[name + " (cut)"] = summarize(requests, finished, reports, time.perf_counter() - start)
-                print_table(summaries)
-            sys.exit(130)
-        if not show_belt:
-            seconds = time.perf_counter() - start
-            print(f"\r{name}: {len(requests)} requests in {seconds:.1f} s", file=sys.stderr)
-        summaries[name] = summarize(requests, finished, reports, time.perf_counter() - start)
-        completions[name] = finished
-    return summaries, completions
 
 
 # ---------------------------------------------------------------------------------------------
@@ -710,6 +696,64 @@ def belt_svg(panels):
 # The command line: --demo, --prompt, --bench
 
 
+def fail(message):
+    """The one-line end for what nanobatch itself refuses: bad input, a missing or damaged file, no
+    network. Any other error (in torch: a wrong shape, out of memory) keeps its traceback, which
+    says where it broke."""
+    print(f"nanobatch.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run_all(model, requests, runs, args, eos_id, show_belt):
+    """Serve the same requests once per run, (name, n_slots, policy, prefill_chunk) ->
+    ({name: summarize(...)}, {name: completions}). Ctrl-C prints the figures so far, exits 130."""
+    for _, n_slots, policy, prefill_chunk in runs:  # refuse bad input before printing anything
+        try:
+            check_arguments(model, requests, n_slots, args.max_len or model.config.block_size, eos_id, policy,
+                            prefill_chunk=prefill_chunk)
+        except ValueError as e:
+            fail(e)
+    summaries, completions = {}, {}
+    for name, n_slots, policy, prefill_chunk in runs:
+        if show_belt:
+            print(f"\n== {name}: {len(requests)} requests, {n_slots} slots (letter: the request that made a "
+                  f"token in that slot; '~': a prompt still going in; '.': a slot doing no useful work)")
+        reports, start = [], time.perf_counter()
+
+        def on_step(report):
+            reports.append(report)
+            if show_belt:
+                print_step(report)
+            elif sys.stderr.isatty():  # a long quiet run still shows that it is alive
+                print(f"\r{name}: step {report.step}", end="", file=sys.stderr, flush=True)
+
+        try:
+            completions[name] = generate(model, requests, n_slots=n_slots, max_len=args.max_len, eos_id=eos_id,
+                                         policy=policy, prefill_chunk=prefill_chunk, on_step=on_step)
+        except KeyboardInterrupt:
+            print_interrupted(name, requests, reports, summaries, time.perf_counter() - start)
+            sys.exit(130)  # 128 + SIGINT: how a shell reports a program that Ctrl-C stopped
+        wall_s = time.perf_counter() - start
+        summaries[name] = summarize(requests, completions[name], reports, wall_s)
+        if not show_belt:
+            print(f"\r{name}: {len(requests)} requests in {wall_s:.1f} s", file=sys.stderr)
+    return summaries, completions
+
+
+def print_interrupted(name, requests, reports, summaries, wall_s):
+    """The runs done so far, and the one Ctrl-C cut short, up to its last step."""
+    finished = [None] * len(requests)  # generate never returned: its reports say who finished
+    for report in reports:
+        for i, completion in report.finished:
+            finished[i] = completion
+    print(f"\ninterrupted after {len(reports)} steps of {name}: tokens and occupancy count every request that "
+          f"ran, latencies only the {sum(c is not None for c in finished)} of {len(requests)} that finished")
+    if reports:
+        summaries = {**summaries, f"{name} (cut)": summarize(requests, finished, reports, wall_s)}
+    if summaries:
+        print_table(summaries)
+
+
 def long_tailed(rng, n, mean, cap):
     """n answer lengths shaped like chat traffic, many short and a long tail: the n quantiles of a
     capped exponential, in random order. Quantiles rather than random draws, so that the mix is the
@@ -719,14 +763,14 @@ def long_tailed(rng, n, mean, cap):
     return lengths
 
 
-def load_model(args):
-    """Real GPT-2 (--weights, else gpt2 from the cache or a download), or None when offline."""
+def load_gpt2(weights):
+    """Real GPT-2: --weights, else gpt2 from the cache or a download; None if that is offline."""
     try:
-        return GPT.from_pretrained(args.weights or "gpt2")
-    except ConnectionError:
-        if args.weights:
-            raise
-        return None
+        return GPT.from_pretrained(weights or "gpt2")
+    except (ValueError, OSError) as e:  # offline, or a missing, damaged or foreign checkpoint
+        if isinstance(e, ConnectionError) and not weights:
+            return None  # the demo runs on random weights instead, and says so
+        fail(e)
 
 
 def load_tokenizer():
@@ -747,32 +791,37 @@ def print_texts(tokenizer, requests, completions):
 
 TINY = GPTConfig(n_layer=2, n_head=4, n_embd=64)  # --quick: the same loop in seconds
 DEMO_PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
-                "The three primary colors are", "My favourite recipe for pancakes",
-                "In 1969, the first humans",
+                "The three primary colors are", "My favourite recipe for pancakes", "In 1969, the first humans",
                 "The quick brown fox", "Dear hiring manager,", "The best way to learn a language is",
                 "Q: What is continuous batching?\nA:", "The weather today is", "Breaking news:"]
 
 
 def demo(args):
-    """A mixed workload through continuous, then static batching, the belt on screen."""
-    model, tokenizer = (None, None) if args.quick else (load_model(args), load_tokenizer())
-    if args.quick:
-        print("nanobatch --quick: a tiny randomly initialised GPT-2 on random tokens")
-    elif model is None:
-        print(f"nanobatch: no GPT-2 weights here (offline, none in {default_cache_dir()}), so this is a "
-              f"randomly initialised GPT-2 124M on random tokens: the loop runs exactly as with real "
-              f"weights, but text would be noise. Real text: run once online, or --weights PATH.")
-    if model is None:
+    """A mixed workload through continuous, then static batching, the belt on screen -> its panels."""
+    model, tokenizer = (None, None) if args.quick else (load_gpt2(args.weights), load_tokenizer())
+    has_weights = model is not None
+    if not has_weights:  # --quick, or offline: the same loop on random weights
         torch.manual_seed(args.seed)
         model = GPT(TINY if args.quick else GPTConfig())
     model = model.to(args.device, args.dtype).eval()
+    if tokenizer and tokenizer.n_vocab != model.config.vocab_size:
+        tokenizer = None  # weights with a vocabulary of their own: GPT-2's token ids would be wrong
+    fed = "text prompts" if tokenizer else "random tokens"
+    if args.quick:
+        print(f"nanobatch --quick: a tiny randomly initialised GPT-2 on {fed}")
+    elif not has_weights:
+        print(f"nanobatch: no GPT-2 weights here (offline, none in {default_cache_dir()}), so this is a "
+              f"randomly initialised GPT-2 124M on {fed}: the loop runs exactly as with real weights, but "
+              f"the answers are noise. Real answers: run once online, or --weights PATH.")
+    elif not tokenizer:
+        print("nanobatch: no GPT-2 tokenizer for these weights (tiktoken's files offline, or another "
+              "vocabulary), so they are fed random tokens")
     n_requests, first_wave = 32, args.slots + args.slots // 2
     lengths = long_tailed(random.Random(args.seed), n_requests, mean=16, cap=64)  # whatever the weights
     rng = random.Random(args.seed + 1)
-    if tokenizer and model.config.vocab_size == tokenizer.n_vocab:
+    if tokenizer:
         prompts = [tokenizer.encode(DEMO_PROMPTS[i % len(DEMO_PROMPTS)]) for i in range(n_requests)]
     else:
-        tokenizer = None
         prompts = [[rng.randrange(model.config.vocab_size) for _ in range(rng.randint(4, 40))]
                    for _ in range(n_requests)]
     # A first wave fills the belt and queues up; the rest arrive, one every other step, while it runs.
@@ -781,31 +830,39 @@ def demo(args):
                 for i, (prompt, max_new) in enumerate(zip(prompts, lengths))]
     runs = [(policy, args.slots, policy, args.prefill_chunk) for policy in POLICIES]
     summaries, completions = run_all(model, requests, runs, args, EOT, show_belt=not args.quiet)
-    print_table(summaries)
     if tokenizer:
         print_texts(tokenizer, requests, completions["continuous"])
+    print_table(summaries, legend=True)
+    cont, stat = summaries["continuous"], summaries["static"]
+    print(f"\nThe rows to compare: steps and TTFT. The same {cont['generated tokens']} tokens took "
+          f"{cont['steps']} steps continuous, {stat['steps']} static, and the median request\nwaited "
+          f"{cont['TTFT P50/P99 (steps)'][0]} steps for its first token, against {stat['TTFT P50/P99 (steps)'][0]}: "
+          f"static refills the belt only once the longest answer of its batch is done.")
+    return [(policy, args.slots, completions[policy], summaries[policy]) for policy in POLICIES]
 
 
 def prompt_mode(args):
-    """Your prompts, real GPT-2, the belt on screen."""
-    tokenizer, model = load_tokenizer(), load_model(args)
+    """Your prompts, real GPT-2, the belt on screen -> its panel."""
+    tokenizer, model = load_tokenizer(), load_gpt2(args.weights)
     if tokenizer is None or model is None:
-        raise ValueError("--prompt needs GPT-2's weights and tiktoken's files, which are neither cached "
-                         "nor downloadable here: run once online, or pass --weights PATH")
+        fail("--prompt needs GPT-2's weights and tiktoken's files, which are neither cached nor "
+             "downloadable here: run once online, or pass --weights PATH")
     model = model.to(args.device, args.dtype).eval()
     requests = [Request(tokenizer.encode(text), args.max_new_tokens, args.temperature, args.top_k,
                         seed=args.seed + i) for i, text in enumerate(args.prompt)]
-    summaries, completions = run_all(model, requests, [(args.policy, args.slots, args.policy, args.prefill_chunk)], args, EOT,
-                                     show_belt=not args.quiet)
+    run = (args.policy, args.slots, args.policy, args.prefill_chunk)
+    summaries, completions = run_all(model, requests, [run], args, EOT, show_belt=not args.quiet)
     print_texts(tokenizer, requests, completions[args.policy])
-    print_table(summaries)
+    print_table(summaries, legend=True)
+    return [(args.policy, args.slots, completions[args.policy], summaries[args.policy])]
 
 
 def bench(args):
     """Seeded workloads, timed: continuous against static and sequential (the engine with one
-    slot), the scheduler's efficiency, and long prompts served whole or in chunks."""
+    slot), the scheduler's efficiency, and long prompts served whole or in chunks -> the panels of
+    continuous and static."""
     torch.manual_seed(args.seed)
-    model = GPT.from_pretrained(args.weights) if args.weights else GPT(TINY if args.quick else GPTConfig())
+    model = load_gpt2(args.weights) if args.weights else GPT(TINY if args.quick else GPTConfig())
     model = model.to(args.device, args.dtype).eval()
     V, rng = model.config.vocab_size, random.Random(args.seed)
     n_requests = args.requests or 16 * args.slots  # a steady stream: many more requests than slots
@@ -819,14 +876,14 @@ def bench(args):
     runs = [("continuous", args.slots, "continuous", args.prefill_chunk),
             ("static", args.slots, "static", args.prefill_chunk), ("sequential", 1, "continuous", args.prefill_chunk)]
     # eos_id=None: every answer runs to its drawn length, so real weights see the same workload.
-    summaries, _ = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
+    summaries, completions = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
     # The scheduler's efficiency: the same prompts with every answer of the mean length, so that a
     # belt of them never idles. While requests wait, continuous should come close to its rate.
     mean_length = round(sum(lengths) / n_requests)
     packable = [Request(r.prompt, mean_length, arrival=r.arrival) for r in requests]
     summaries.update(run_all(model, packable, [("packable", args.slots, "continuous", args.prefill_chunk)], args,
                              eos_id=None, show_belt=False)[0])
-    print_table(summaries)
+    print_table(summaries, legend=True)
     cont, stat, seq, ideal = (summaries[name] for name in ("continuous", "static", "sequential", "packable"))
     print(f"\nsteps static / continuous:        {stat['steps'] / cont['steps']:.2f}x")
     print(f"tokens/s continuous / static:     {cont['tokens/s'] / stat['tokens/s']:.2f}x")
@@ -836,6 +893,10 @@ def bench(args):
               f"tokens/s, {cont['tokens/s while queued'] / ideal['tokens/s while queued']:.0%} of the "
               f"{ideal['tokens/s while queued']:.1f} of a perfectly packable workload (every answer {mean_length} "
               f"tokens)")
+    if args.quick:
+        print("--quick: on a model this small a step's fixed cost (Python, and launching each of its "
+              "operations) dominates what its rows cost, so these ratios are not GPT-2's: steps compare "
+              "fairly, seconds do not. Without --quick: GPT-2 124M.")
     long_prompts(model, args)
     if model.config.block_size >= 1024:
         short, long = (time_decode_step(model, args.slots, max_len, position=100, repeats=10)
@@ -854,6 +915,7 @@ def bench(args):
             peak = "not measured here"
     print(f"KV cache: {cache_bytes / 1e6:.1f} MB ({args.slots} slots x {max_len} positions), made once per "
           f"run; peak memory of the whole process: {peak}")
+    return [(name, args.slots, completions[name], summaries[name]) for name in ("continuous", "static")]
 
 
 def long_prompts(model, args):
@@ -873,7 +935,7 @@ def long_prompts(model, args):
     summaries, _ = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
     print_table(summaries)
     whole, chunked = summaries.values()
-    print(f"\nTBT P99 chunked / whole: {chunked['TBT P50/P99 (s)'][1] / whole['TBT P50/P99 (s)'][1]:.2f}; "
+    print(f"\nTBT P99 chunked / whole: {chunked['TBT P50/P99 (ms)'][1] / whole['TBT P50/P99 (ms)'][1]:.2f}; "
           f"tokens/s chunked / whole: {chunked['tokens/s'] / whole['tokens/s']:.2f}")
 
 
@@ -936,9 +998,7 @@ def verdict(batched, sequential, exact):
 
 def verify(args):
     """Seeded greedy requests through generate and through generate_sequential; each answer
-    identical, or apart by rounding, or by a BUG -> the exit status: 1 if any is a BUG, else 0."""
-    if args.temperature != 0 or args.top_k is not None:
-        raise ValueError("--verify serves greedy requests: --temperature and --top-k do not apply")
+    identical, or apart by rounding, or by a BUG. Exits with status 1 if any is a BUG, else 0."""
     torch.manual_seed(args.seed)
     model = GPT.from_pretrained(args.weights) if args.weights else GPT(TINY if args.quick else GPTConfig())
     model = model.to(args.device, args.dtype).eval()
@@ -955,8 +1015,11 @@ def verify(args):
     n_requests, prompt_lens, answer_lens = (12, (4, 16), (8, 24)) if args.quick else (16, (4, 48), (24, 64))
     requests = [Request([rng.randrange(V) for _ in range(rng.randint(*prompt_lens))], rng.randint(*answer_lens),
                         arrival=rng.randint(1, 40) if i % 3 == 2 else 0) for i in range(n_requests)]
-    check_arguments(model, requests, args.slots, args.max_len or model.config.block_size, None, args.policy,
-                    prefill_chunk=args.prefill_chunk)  # bad input is refused before anything is printed
+    try:  # bad input is refused before anything is printed
+        check_arguments(model, requests, args.slots, args.max_len or model.config.block_size, None, args.policy,
+                        prefill_chunk=args.prefill_chunk)
+    except ValueError as e:
+        fail(e)
     print(f"verify: {n_requests} greedy requests (prompts of {'-'.join(map(str, prompt_lens))} random tokens, "
           f"answers of {'-'.join(map(str, answer_lens))}, {sum(r.arrival > 0 for r in requests)} arriving late) "
           f"through generate ({args.slots} slots, {args.policy}, "
@@ -1013,71 +1076,107 @@ def verify(args):
         print(f"{letter(i)}  {name:9} {line}".rstrip())
     print(f"{n_requests} answers: " + ", ".join(f"{n} {name}" for name, n in counts.items()) +
           f" (generate_sequential {reference_s:.1f} s, generate {batched_s:.1f} s)")
-    return 1 if counts["BUG"] else 0
+    sys.exit(1 if counts["BUG"] else 0)
+
+def positive(number_type):
+    """An argparse type: a number_type (int or float) above 0. For the numbers the command line
+    builds work from itself (16 requests per slot, one arrival every 1 / rate steps): generate
+    checks everything it is given, but these it never sees."""
+    def convert(text):
+        value = number_type(text)
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    convert.__name__ = number_type.__name__  # argparse's message for 'x' reads "invalid int value"
+    return convert
+
+
+def usable_device(text):
+    """An argparse type: a torch.device that this torch can run on."""
+    try:
+        device = torch.device(text)
+    except RuntimeError as e:  # torch's message lists every device type there is: its end says enough
+        raise argparse.ArgumentTypeError(str(e).split(": ")[-1] + " is no device") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}, but this torch sees no CUDA GPU")
+    return device
+
+
+def write_svg(path, panels):
+    try:
+        Path(path).write_text(belt_svg(panels))
+    except OSError as e:  # no such folder, no permission
+        fail(f"--svg: {e}")
+    print(f"\nthe belt, a panel per run: {path} (open it in a browser)")
+
+
+SERVING = {"slots", "max_len", "prefill_chunk", "seed", "device", "dtype", "svg"}
+MODES = {  # --MODE: the function that runs it (it returns the panels for --svg), the options it takes
+    "demo": (demo, SERVING | {"quick", "weights", "temperature", "top_k", "quiet"}),
+    "prompt": (prompt_mode, SERVING | {"weights", "max_new_tokens", "temperature", "top_k", "policy", "quiet"}),
+    "bench": (bench, SERVING | {"quick", "weights", "requests", "arrival_rate"}),
+    "verify": (verify, SERVING - {"svg"} | {"quick", "weights", "policy"}),  # exits 0, or 1 for a BUG
+}
+DEFAULTS = dict(slots=8, max_len=None, prefill_chunk=None, seed=0, temperature=0.0, top_k=None, max_new_tokens=64,
+                policy="continuous", requests=None, arrival_rate=None, weights=None, quick=False, device=None,
+                dtype="float32", quiet=False, svg=None)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Continuous batching for GPT-2, in one loop you can read.")
-    what = parser.add_argument_group("what to run (one of)")
+    """Parse, refuse what does not apply, run one mode. The parser knows no defaults (DEFAULTS comes
+    after the checks), so it returns exactly what was typed: an option that does not apply to the
+    mode is refused even when typed with its default value."""
+    parser = argparse.ArgumentParser(prog="nanobatch.py", usage="%(prog)s (--demo | --prompt TEXT | --bench | --verify) "
+                                     "[options]", argument_default=argparse.SUPPRESS,
+                                     description="Continuous batching for GPT-2, in one loop you can read.")
+    what = parser.add_argument_group("what to run").add_mutually_exclusive_group(required=True)
     what.add_argument("--demo", action="store_true", help="a mixed workload, continuous vs static")
-    what.add_argument("--prompt", action="append", help="a text prompt; repeat for more requests")
+    what.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt; repeat for more requests")
     what.add_argument("--bench", action="store_true", help="continuous vs static vs sequential, timed")
     what.add_argument("--verify", action="store_true", help="batched against sequential answers, each judged: "
                                                            "identical, rounding or BUG (exit status 1)")
     work = parser.add_argument_group("the requests and the belt")
-    work.add_argument("--slots", type=int, default=8, help="slots on the belt: the batch size (8)")
-    work.add_argument("--max-new-tokens", type=int, default=64, help="per --prompt request (64)")
-    work.add_argument("--max-len", type=int, help="positions per slot (default: the model's 1024)")
-    work.add_argument("--temperature", type=float, default=0.0, help="0: greedy (0)")
-    work.add_argument("--top-k", type=int, help="sample among the k most likely tokens only")
-    work.add_argument("--seed", type=int, default=0, help="request i samples with seed + i (0)")
-    work.add_argument("--policy", choices=POLICIES, default="continuous", help="for --prompt")
-    work.add_argument("--prefill-chunk", type=int, help="at most this many prompt tokens a step (default: "
-                                                         "whole prompts)")
-    work.add_argument("--requests", type=int, help="--bench: how many (default: 16 per slot)")
-    work.add_argument("--arrival-rate", type=float, help="--bench: requests per step (default: all at once)")
+    work.add_argument("--slots", type=positive(int), metavar="N", help="slots on the belt: the batch size (8)")
+    work.add_argument("--max-len", type=int, metavar="N", help="positions per slot (the model's, 1024)")
+    work.add_argument("--prefill-chunk", type=int, metavar="N", help="at most N prompt tokens a step (no limit)")
+    work.add_argument("--seed", type=int, help="request i samples with seed + i; --bench: its workload (0)")
+    work.add_argument("--temperature", type=float, metavar="T", help="--demo, --prompt: 0 is greedy (0)")
+    work.add_argument("--top-k", type=int, metavar="K", help="--demo, --prompt: sample among the K likeliest")
+    work.add_argument("--max-new-tokens", type=int, metavar="N", help="--prompt: per request (64)")
+    work.add_argument("--policy", choices=POLICIES, help="--prompt: how to fill the belt (continuous)")
+    work.add_argument("--requests", type=positive(int), metavar="N", help="--bench: how many (16 per slot)")
+    work.add_argument("--arrival-rate", type=positive(float), metavar="R",
+                      help="--bench: requests per step (all at once)")
     setup = parser.add_argument_group("model and output")
-    setup.add_argument("--weights", help="checkpoint directory or file, or gpt2, gpt2-medium, ... to download")
-    setup.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when present)")
-    setup.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], default="float32")
-    setup.add_argument("--quick", action="store_true", help="--demo/--bench on a tiny model, in seconds")
-    setup.add_argument("--quiet", action="store_true", help="no belt, only the summary")
-
-    def fail(message):  # one line and exit status 2, for argparse's errors and ours alike
-        print(f"nanobatch: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-    parser.error = fail
-    args = parser.parse_args(argv)
-    if [args.demo, args.bench, args.verify, bool(args.prompt)].count(True) != 1:
-        fail("say what to run: one of --demo, --bench, --verify, --prompt TEXT")
-    for flag, value in [("--slots", args.slots), ("--max-new-tokens", args.max_new_tokens),
-                        ("--top-k", args.top_k), ("--requests", args.requests),
-                        ("--prefill-chunk", args.prefill_chunk)]:
-        if value is not None and value < 1:
-            fail(f"{flag} must be >= 1, got {value}")
-    if args.arrival_rate is not None and not args.arrival_rate > 0:
-        fail(f"--arrival-rate must be > 0, got {args.arrival_rate}")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        fail(f"--temperature must be finite and >= 0, got {args.temperature}")
-    if args.max_len is not None and args.max_len < 2:
-        fail(f"--max-len must be >= 2, got {args.max_len}")
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    setup.add_argument("--weights", metavar="PATH", help="a checkpoint directory or file, or gpt2, gpt2-medium, "
+                       "... to download")
+    setup.add_argument("--quick", action="store_true", help="--demo, --bench: a tiny random model, in seconds")
+    setup.add_argument("--device", type=usable_device, help="cpu, cuda, cuda:1, ... (cuda when present)")
+    setup.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], help="(float32)")
+    setup.add_argument("--quiet", action="store_true", help="--demo, --prompt: no belt, only the summary")
+    setup.add_argument("--svg", metavar="FILE", help="the belt drawn into FILE, a panel per run (--bench: "
+                       "continuous and static only; sequential's 8 times as many steps would squeeze them)")
+    given = vars(parser.parse_args(argv))
+    mode = next(name for name in MODES if name in given)  # exactly one: the parser saw to that
+    run, options = MODES[mode]
+    for name in sorted(given.keys() - options - {mode}):
+        parser.error(f"--{name.replace('_', '-')} does not apply to --{mode}")
+    if "quick" in given and "weights" in given:
+        parser.error("--weights does not apply to --quick, which runs a tiny random model")
+    if "svg" in given and not Path(given["svg"]).parent.is_dir():  # found out now, not after a long run
+        parser.error(f"--svg {given['svg']}: no such folder")
+    args = argparse.Namespace(**{**DEFAULTS, **given})
+    args.device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.dtype = getattr(torch, args.dtype)
     try:
-        args.device, args.dtype = torch.device(args.device), getattr(torch, args.dtype)
-        if args.device.type == "cuda" and not torch.cuda.is_available():
-            fail("--device cuda, but this torch sees no CUDA GPU")
-        if args.demo:
-            demo(args)
-        elif args.bench:
-            bench(args)
-        elif args.verify:
-            sys.exit(verify(args))
-        else:
-            prompt_mode(args)
-    except (ValueError, OSError, RuntimeError) as e:  # bad input, missing or corrupt files, offline
-        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        panels = run(args)
+        if args.svg:
+            write_svg(args.svg, panels)
+    except BrokenPipeError:  # the reader has gone (`| head`): stop quietly, as `yes | head` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush must not fail
+        sys.exit(141)  # 128 + SIGPIPE: how a shell reports a program that a closed pipe stopped
+    except KeyboardInterrupt:  # Ctrl-C outside a run (while loading, say): nothing to summarize
+        sys.exit(130)
 
 
 if __name__ == "__main__":

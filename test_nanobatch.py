@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import signal
 import struct
 import subprocess
 import sys
@@ -912,39 +913,79 @@ def test_a_long_bad_prompt_gives_a_short_message(gpt):
 
 
 # ---------------------------------------------------------------------------------------------
-# 6) The command line, offline
+# 6) The figures, on a schedule small enough to check by hand
 
 
-def run_cli(tmp_path, *args):
-    env = {**os.environ, "NANOBATCH_CACHE": str(tmp_path),  # an empty cache: no real weights found
-           "PYTHONWARNINGS": "ignore",  # torch's import-time warnings are not the CLI's output
-           # Every proxy points at a closed local port: a download attempt fails at once, offline.
-           "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "no_proxy": ""}
-    return subprocess.run([sys.executable, "nanobatch.py", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=100)
+def step(belt, n_running, n_prefilling, n_waiting, step_s):
+    """A stand-in for a StepReport: what summarize reads. The model's share of a step is 4/5 of it."""
+    return SimpleNamespace(belt=belt, n_running=n_running, n_prefilling=n_prefilling, n_waiting=n_waiting,
+                           step_s=step_s, model_s=0.8 * step_s)
 
 
-@pytest.mark.parametrize("args", [["--demo", "--quick"], ["--bench", "--quick"]])
-def test_cli_runs_offline(tmp_path, args):
-    """The demo and the benchmark run in seconds on a tiny random model, with no network."""
-    result = run_cli(tmp_path, *args)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-    if "--demo" in args:  # a belt line per step, then continuous against static
-        assert "continuous" in result.stdout and "static" in result.stdout, result.stdout[-2000:]
-        assert len(result.stdout.splitlines()) > 10, result.stdout
+def served(slot, admit_step, first_token_step, finish_step, token_times_s):
+    """A stand-in for a Completion, its token times in seconds from its request's arrival."""
+    return SimpleNamespace(slot=slot, admit_step=admit_step, first_token_step=first_token_step,
+                           finish_step=finish_step, token_times_s=token_times_s, ttft_s=token_times_s[0],
+                           latency_s=token_times_s[-1])
 
 
-def test_cli_error_is_one_line(tmp_path):
-    """A bad flag is one line on stderr, 'nanobatch: error: ...', exit status 2, no traceback."""
-    result = run_cli(tmp_path, "--demo", "--slots", "0")
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2, result.stderr
-    assert len(lines) == 1 and lines[0].startswith("nanobatch: error:") and "slots" in lines[0], result.stderr
+# Two slots, three requests, five steps, the belt as print_step would show it:
+#   step 0  |A~|  A's prompt and B's go in; A makes its first token, B's prompt needs another step
+#   step 1  |AB|  A makes its second and last token; C arrives, and waits: no slot is free
+#   step 2  |CB|  C takes A's slot, its first token with it
+#   step 3  |CB|  C's second and last token
+#   step 4  |.B|  B's fourth and last token
+# The steps last 0.5, 0.25, 0.25, 0.5 and 0.25 s, so they end at 0.5, 0.75, 1, 1.5 and 1.75 s; the
+# whole run took 2.5 s. C arrived as step 1 began, at 0.5 s: its tokens came 0.5 and 1 s later.
+SCHEDULE = [step("A~", 1, 1, 0, 0.5), step("AB", 2, 0, 1, 0.25), step("CB", 2, 0, 0, 0.25),
+            step("CB", 2, 0, 0, 0.5), step(".B", 1, 0, 0, 0.25)]
+ARRIVALS = [SimpleNamespace(arrival=0), SimpleNamespace(arrival=0), SimpleNamespace(arrival=1)]
+SERVED = [served(0, 0, 0, 1, [0.5, 0.75]), served(1, 0, 1, 4, [0.75, 1.0, 1.5, 1.75]), served(0, 2, 2, 3, [0.5, 1.0])]
+
+
+def test_percentile_is_the_nearest_rank():
+    """P50 of 4 values is the 2nd smallest (2 of 4 at or below it), P99 of 1..100 is 99, and P99 of
+    fewer than 100 values is the largest."""
+    assert nanobatch.percentile([40, 10, 30, 20], 50) == 20
+    assert nanobatch.percentile(range(1, 101), 99) == 99
+    assert nanobatch.percentile([3, 1, 2], 99) == 3
+
+
+def test_summarize_by_hand():
+    """Every figure of the schedule above, worked out by hand."""
+    figures = nanobatch.summarize(ARRIVALS, SERVED, SCHEDULE, wall_s=2.5)
+    assert figures.keys() == nanobatch.LEGEND.keys(), "a figure without its line in the legend, or the reverse"
+    want = {
+        "steps": 5,
+        "generated tokens": 8,  # 1 + 2 + 2 + 2 + 1: A's 2, B's 4, C's 2
+        "wall time (s)": 2.5,
+        "tokens/s": 3.2,  # 8 / 2.5
+        "tokens/s while queued": 8.0,  # only step 1 left a request waiting: 2 tokens in 0.25 s
+        "mean occupancy": 0.9,  # 2 + 2 + 2 + 2 + 1 busy slots (B prefilling counts) of 5 x 2
+        "occupancy while queued": 1.0,  # step 1: 2 of 2
+        "latency P50/P99 (steps)": (3, 5),  # from arrival to last token: A 2 (steps 0-1), C 3 (1-3), B 5 (0-4)
+        "latency P50/P99 (s)": (1.0, 1.75),  # A 0.75, C 1, B 1.75
+        "TTFT P50/P99 (steps)": (2, 2),  # A 1 (step 0), B 2 (0-1), C 2 (1-2)
+        "TTFT P50/P99 (s)": (0.5, 0.75),  # A 0.5, C 0.5, B 0.75
+        "TBT P50/P99 (ms)": (250, 500),  # the gaps: A 250; B 250, 500, 250; C 500
+        "slowest step (ms)": 500,
+        "time outside the model": 0.44,  # 1 - 1.4 / 2.5: the model took 4/5 of the steps' 1.75 s
+    }
+    for name, value in want.items():
+        assert figures[name] == pytest.approx(value), f"{name}: got {figures[name]}, want {value}"
+
+
+def test_summarize_a_run_cut_short():
+    """Ctrl-C after step 2: B and C were still running, and their tokens count all the same."""
+    figures = nanobatch.summarize(ARRIVALS, [SERVED[0], None, None], SCHEDULE[:3], wall_s=1.0)
+    assert figures["generated tokens"] == 5  # A's 2, B's first 2, C's first 1
+    assert figures["mean occupancy"] == 1.0  # 6 busy slots of 3 x 2
+    assert figures["latency P50/P99 (steps)"] == (2, 2)  # A alone finished
+    assert figures["tokens/s"] == 5.0
 
 
 # ---------------------------------------------------------------------------------------------
-# 6) The belt as a picture: every stay drawn where and as long as it was, in its own colour
+# 7) The belt as a picture: every stay drawn where and as long as it was, in its own colour
 
 
 SVG = "{http://www.w3.org/2000/svg}"  # ElementTree names SVG's elements by namespace
@@ -1062,7 +1103,128 @@ def test_belt_svg_64_slots_300_steps():
 
 
 # ---------------------------------------------------------------------------------------------
-# 7) --verify: every answer identical in float64, a broken engine named, the verdict's rule
+# 8) The command line, offline
+
+
+def cli_env(tmp_path):
+    return {**os.environ, "NANOBATCH_CACHE": str(tmp_path),  # an empty cache: no real weights found
+            "PYTHONWARNINGS": "ignore",  # torch's import-time warnings are not the CLI's output
+            # Every proxy points at a closed local port: a download attempt fails at once, offline.
+            "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "no_proxy": ""}
+
+
+def run_cli(tmp_path, *args):
+    return subprocess.run([sys.executable, "nanobatch.py", *args], cwd=REPO, env=cli_env(tmp_path),
+                          capture_output=True, text=True, timeout=100)
+
+
+def start_cli(tmp_path, *args):
+    return subprocess.Popen([sys.executable, "nanobatch.py", *args], cwd=REPO, env=cli_env(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_cli_demo_quick(tmp_path):
+    """The demo runs offline in seconds on a tiny random model: a belt line per step, the table with
+    its legend, the sentence that says which rows to compare, and with --svg a picture of both runs,
+    one bar for each of the 32 requests in each."""
+    result = run_cli(tmp_path, "--demo", "--quick", "--svg", str(tmp_path / "belt.svg"))
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert sum(line.startswith("step ") for line in lines) > 100, result.stdout[-2000:]
+    for row in nanobatch.LEGEND:  # a line in the table, and a line in the legend under it
+        assert [line[:24] for line in lines].count(f"{row:24}") == 1, f"{row}: not once in the table"
+        assert sum(line.startswith(f"{row}: ") for line in lines) == 1, f"{row}: not once in the legend"
+    assert "The rows to compare: steps and TTFT" in result.stdout
+    panels = drawn_panels((tmp_path / "belt.svg").read_text())
+    assert [sorted(bars) for _, bars, _ in panels] == [list(range(32))] * 2, "not one bar per request per panel"
+
+
+def test_cli_bench_quick(tmp_path):
+    """The benchmark runs offline on the tiny model, says why its ratios are not GPT-2's, and draws
+    continuous and static, one bar for each of its 128 requests."""
+    result = run_cli(tmp_path, "--bench", "--quick", "--svg", str(tmp_path / "belt.svg"))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "--quick: on a model this small a step's fixed cost" in result.stdout, result.stdout[-2000:]
+    panels = drawn_panels((tmp_path / "belt.svg").read_text())
+    assert [sorted(bars) for _, bars, _ in panels] == [list(range(128))] * 2, "not one bar per request per panel"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--demo", "--bench"], "argument --bench: not allowed with argument --demo"),
+    ([], "one of the arguments --demo --prompt --bench --verify is required"),
+    (["--demo", "--slots", "0"], "argument --slots: must be > 0, got 0"),
+    (["--bench", "--arrival-rate", "nan"], "argument --arrival-rate: must be > 0, got nan"),
+    (["--demo", "--device", "gpu"], "argument --device: gpu is no device"),
+    # What does not apply to the mode is refused, not ignored, even when it is typed with its default.
+    (["--demo", "--quick", "--weights", "gpt2"], "--weights does not apply to --quick, which runs a tiny random model"),
+    (["--demo", "--max-new-tokens", "64"], "--max-new-tokens does not apply to --demo"),
+    (["--demo", "--policy", "static"], "--policy does not apply to --demo"),
+    (["--demo", "--requests", "10"], "--requests does not apply to --demo"),
+    (["--bench", "--temperature", "0"], "--temperature does not apply to --bench"),
+    (["--bench", "--quiet"], "--quiet does not apply to --bench"),
+    (["--prompt", "Hello", "--quick"], "--quick does not apply to --prompt"),
+    (["--prompt", "Hello", "--arrival-rate", "0.5"], "--arrival-rate does not apply to --prompt"),
+    (["--bench", "--svg", "no/such/folder/belt.svg"], "--svg no/such/folder/belt.svg: no such folder"),
+])
+def test_cli_refuses_what_it_cannot_do(argv, message, capsys):
+    """Flags that make no sense are refused by the parser, before any model is made: its usage
+    line, then its error, exit status 2."""
+    with pytest.raises(SystemExit) as exit:
+        nanobatch.main(argv)
+    err = capsys.readouterr().err.splitlines()
+    assert exit.value.code == 2 and err[-1] == f"nanobatch.py: error: {message}", err
+
+
+def test_cli_bad_input_is_one_line(capsys):
+    """Input that generate refuses (here --max-len 1) ends in one line, exit status 2, no traceback."""
+    with pytest.raises(SystemExit) as exit:
+        nanobatch.main(["--demo", "--quick", "--max-len", "1"])
+    err = capsys.readouterr().err.splitlines()
+    assert exit.value.code == 2 and err == ["nanobatch.py: error: max_len must be an int in 2..1024 (the "
+                                            "model's block_size), got 1"], err
+
+
+@pytest.mark.parametrize("error", [RuntimeError("shapes cannot be multiplied (8x64 and 65x64)"),
+                                   ValueError("too many values to unpack (expected 5)")])
+def test_cli_a_broken_loop_keeps_its_traceback(monkeypatch, error):
+    """An error inside the loop, torch's or Python's, is not turned into one line: the student who
+    edited the loop needs the traceback that says where it broke."""
+    def broken_forward(self, packed, cache):
+        raise error
+
+    monkeypatch.setattr(GPT, "forward_packed", broken_forward)
+    with pytest.raises(type(error), match=str(error).split(" (")[0]):
+        nanobatch.main(["--demo", "--quick", "--quiet"])
+
+
+def test_cli_closed_pipe_ends_quietly(tmp_path):
+    """`python nanobatch.py --demo --quick | head -3`: the reader goes away after three lines, and the
+    demo stops without a word, with the status a shell gives a program stopped by SIGPIPE."""
+    process = start_cli(tmp_path, "--demo", "--quick")
+    for _ in range(3):
+        process.stdout.readline()
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert process.wait(timeout=100) == 141 and stderr == "", stderr
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process is POSIX")
+def test_cli_ctrl_c_shows_the_figures_so_far(tmp_path):
+    """Ctrl-C a few steps into the demo: exit status 130, and a table of the run up to there, whose
+    tokens count the requests still running and whose belt was full (the queue never emptied)."""
+    process = start_cli(tmp_path, "--demo", "--quick")
+    n_steps_seen = 0
+    while n_steps_seen < 3:
+        n_steps_seen += process.stdout.readline().startswith("step ")
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=100)
+    assert process.returncode == 130, stderr[-2000:]
+    assert "interrupted after" in stdout and "continuous (cut)" in stdout, stdout[-2000:]
+    rows = {line[:24].strip(): line[24:].split() for line in stdout.splitlines()}
+    assert int(rows["generated tokens"][-1]) > 0 and int(rows["mean occupancy"][-1].rstrip("%")) >= 90, stdout
+
+
+# 9) --verify: every answer identical in float64, a broken engine named, the verdict's rule
 
 
 def test_verify_float64_every_answer_identical(tmp_path):
@@ -1089,11 +1251,11 @@ def test_verify_names_a_broken_engine(monkeypatch, capsys, broken_mask):
 
 
 def test_verify_refuses_sampling(capsys):
-    """--verify compares greedy answers: a temperature is bad input, exit status 2."""
+    """--verify compares greedy answers: a temperature does not apply to it, exit status 2."""
     with pytest.raises(SystemExit) as exit_status:
         nanobatch.main(["--verify", "--quick", "--temperature", "0.8"])
     assert exit_status.value.code == 2
-    assert "greedy" in capsys.readouterr().err
+    assert "--temperature does not apply to --verify" in capsys.readouterr().err
 
 
 def logits(*values, dtype=torch.float32):
