@@ -796,6 +796,9 @@ DEMO_PROMPTS = ["The capital of France is", "Once upon a time, in a small villag
                 "Q: What is continuous batching?\nA:", "The weather today is", "Breaking news:"]
 
 
+DEMO_PREFILL_CHUNK = 32  # prompt tokens a step in --demo: a 40-token prompt takes two steps
+
+
 def demo(args):
     """A mixed workload through continuous, then static batching, the belt on screen -> its panels."""
     model, tokenizer = (None, None) if args.quick else (load_gpt2(args.weights), load_tokenizer())
@@ -828,7 +831,10 @@ def demo(args):
     requests = [Request(prompt, max_new, args.temperature, args.top_k, seed=args.seed + i,
                         arrival=0 if i < first_wave else 2 * (i - first_wave + 1))
                 for i, (prompt, max_new) in enumerate(zip(prompts, lengths))]
-    runs = [(policy, args.slots, policy, args.prefill_chunk) for policy in POLICIES]
+    # Prompts go in DEMO_PREFILL_CHUNK tokens a step unless told otherwise, so that a slot taking
+    # in a long prompt ('~') is seen beside slots that keep decoding.
+    prefill_chunk = args.prefill_chunk or DEMO_PREFILL_CHUNK
+    runs = [(policy, args.slots, policy, prefill_chunk) for policy in POLICIES]
     summaries, completions = run_all(model, requests, runs, args, EOT, show_belt=not args.quiet)
     if tokenizer:
         print_texts(tokenizer, requests, completions["continuous"])
@@ -1138,7 +1144,8 @@ def main(argv=None):
     work = parser.add_argument_group("the requests and the belt")
     work.add_argument("--slots", type=positive(int), metavar="N", help="slots on the belt: the batch size (8)")
     work.add_argument("--max-len", type=int, metavar="N", help="positions per slot (the model's, 1024)")
-    work.add_argument("--prefill-chunk", type=int, metavar="N", help="at most N prompt tokens a step (no limit)")
+    work.add_argument("--prefill-chunk", type=int, metavar="N", help="at most N prompt tokens a step "
+                      f"(--demo: {DEMO_PREFILL_CHUNK}; else no limit)")
     work.add_argument("--seed", type=int, help="request i samples with seed + i; --bench: its workload (0)")
     work.add_argument("--temperature", type=float, metavar="T", help="--demo, --prompt: 0 is greedy (0)")
     work.add_argument("--top-k", type=int, metavar="K", help="--demo, --prompt: sample among the K likeliest")
