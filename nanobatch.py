@@ -259,22 +259,26 @@ def attention_mask(positions, L):
 def pack_step(work, padding_slots, n_slots, device):
     """This step's work as one model.PackedStep, and the runs to sample, in the order of its logits.
 
-    work: [(run, the token ids it feeds)]. padding_slots: slots that feed a token nobody reads
-    (static batching's finished rows). One-token rows come first, one per slot; then the chunks.
+    work: [(run, the token ids it feeds)]. padding_slots: slots that feed a token nobody reads, and
+    get logits nobody samples from (static batching's finished rows). One-token rows come first, one
+    per slot; then the chunks. The logits rows of the runs to sample come first, then padding's.
     """
     one_token = [(run, run.slot, run.n_cached, ids) for run, ids in work if len(ids) == 1]
-    one_token += [(None, slot, 0, [0]) for slot in padding_slots]  # token 0 at position 0, read by none
+    one_token += [(None, slot, 0, [0]) for slot in padding_slots]  # token 0 at position 0
     chunks = [(run, run.slot, run.n_cached, ids) for run, ids in work if len(ids) > 1]
-    tokens, positions, slots, logit_rows, to_sample = [], [], [], [], []
+    tokens, positions, slots, logit_rows, padding_rows, to_sample = [], [], [], [], [], []
     for run, slot, first_position, ids in one_token + chunks:
         tokens += ids
         positions += range(first_position, first_position + len(ids))
         slots += [slot] * len(ids)
         # A run samples once its feed has brought all it has (prompt and answer) into the cache:
         # a decoding request every step, a prompt in the step that completes it.
-        if run is not None and run.n_cached + len(ids) == len(run.request.prompt) + len(run.tokens):
+        if run is None:
+            padding_rows.append(len(tokens) - 1)
+        elif run.n_cached + len(ids) == len(run.request.prompt) + len(run.tokens):
             logit_rows.append(len(tokens) - 1)
             to_sample.append(run)
+    logit_rows += padding_rows
     query_positions = [0] * n_slots  # each slot's one-token row's position (0 for a slot with none)
     for _, slot, first_position, _ in one_token:
         query_positions[slot] = first_position
@@ -408,14 +412,14 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
                 belt[slot] = Running(i, requests[i], slot, new_sampler(requests[i], device), admit_step=step)
                 admitted.append(i)
             # 3) Choose the step's tokens. Static batching runs its batch at a fixed size, as a
-            #    padded batch does: a finished request's row still costs a row (a padding token)
-            #    until its whole batch is done. Continuous batching computes no empty rows.
+            #    padded batch does: a finished request's row still costs a row (a padding token, its
+            #    logits included) until its whole batch is done. Continuous computes no empty rows.
             work = plan_step(belt, prefill_chunk)
             n_prompt_tokens = sum(len(ids) for run, ids in work if run.is_prefilling)
             padding_slots = [s for s, run in enumerate(belt) if run is None] if policy == "static" else []
             # 4) One forward over all of them; a new token for every run that is due one.
             packed, to_sample = pack_step(work, padding_slots, n_slots, device)
-            logits = model.forward_packed(packed, cache)  # (R, V)
+            logits = model.forward_packed(packed, cache)[:len(to_sample)]  # (R, V): padding's rows dropped
             new_tokens = sample_step(logits, to_sample, device)
             now = time.perf_counter()
             for run, ids in work:
