@@ -570,7 +570,7 @@ def print_step(report):
     events = [f"+{letter(i)}" for i in report.admitted]
     events += [f"-{letter(i)}({c.finish_reason},{len(c.tokens)})" for i, c in report.finished]
     print(f"step {report.step:4d} |{report.belt}| {report.n_running:2d}/{len(report.belt)} "
-          f"waiting {report.n_waiting:3d}  {' '.join(events)}", flush=True)
+          f"waiting {report.n_waiting:3d}  {' '.join(events)}".rstrip(), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
