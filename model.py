@@ -10,7 +10,7 @@ Shape legend, used in every comment below and in nanobatch.py:
 
 `GPT.forward(idx)` is the textbook causal forward with no cache: the reference for everything else.
 `GPT.forward_packed(step, cache)` runs one step of the engine: M new tokens from any mix of slots,
-packed side by side with no padding. It writes their keys and values into the cache at (slot,
+packed side by side, no padding between them. It writes their keys and values into the cache at (slot,
 position) and attends under masks that nanobatch.py builds: the caller owns the slots.
 """
 import json
@@ -40,7 +40,8 @@ class GPTConfig:
 
 @dataclass
 class PackedStep:
-    """One engine step's tokens, packed: M tokens from any mix of slots, no padding, no empty rows.
+    """One engine step's tokens, packed: M tokens from any mix of slots, side by side, no padding
+    between them (the only filler rows are those a static batch asks for on purpose).
 
     Rows [0, D) hold one token each, every one in a slot of its own (a decoding request's newest
     token, or a prompt chunk of a single token). The other rows come in chunks: consecutive tokens
@@ -194,7 +195,7 @@ class GPT(nn.Module):
     def forward_packed(self, step, cache):
         """One engine step: run step.tokens (M,) through the model, reading and writing the cache.
 
-        Every linear layer and the MLP see exactly the M real tokens: no padding, no empty slots.
+        Every linear layer and the MLP see exactly the M tokens fed: no padding, no empty slots.
         Returns logits (R, V) for step.logit_rows only: the LM head costs 768 x 50257 = 39M
         multiply-adds a token in GPT-2 124M, about half what its 12 blocks cost, and only a
         sequence's newest token is ever sampled from.

@@ -14,7 +14,8 @@ A belt of S slots, each able to hold one sequence's keys and values in the KV ca
     6) requests that hit EOS, their max_new_tokens or the slot's max_len are retired, and their
        slots are free for step 2 of the very next step.
 Static batching is the same loop with one decision changed (`slots_to_fill`): it refills only an
-empty belt, so a short answer's slot idles until the longest answer of its batch is done.
+empty belt, so a short answer's slot idles until the longest answer of its batch is done; and, as
+a padded batch does, it still computes that idle slot's row (phase 3 of `generate`).
 
 Shapes in comments use model.py's legend; those met here: S slots, B rows of queries, M tokens
 packed into a step, D of them one-token rows, T tokens in one prompt chunk, L cache positions
@@ -63,8 +64,8 @@ class Completion:
     ttft_s: float  # seconds from the start of its arrival step to its first token
     latency_s: float  # seconds from the start of its arrival step to its last token
     first_token_step: int  # loop step that produced its first token: admit_step unless its prompt
-    #                        needed several steps (chunked prefill), so finish_step is always
-    #                        first_token_step + len(tokens) - 1
+    #                        waited for the prompt budget or needed several steps of it (chunked
+    #                        prefill); finish_step is always first_token_step + len(tokens) - 1
     slot: int  # the slot it occupied
     token_times_s: list[float]  # seconds from the start of its arrival step to each of its tokens
 
@@ -282,10 +283,11 @@ def pack_step(work, padding_slots, n_slots, device):
     query_positions = [0] * n_slots  # each slot's one-token row's position (0 for a slot with none)
     for _, slot, first_position, _ in one_token:
         query_positions[slot] = first_position
-    # Every index of the step in one host-to-device copy, made while the device is idle anyway:
-    # the previous step ended by reading its tokens back.
+    # Every index of the step in one host-to-device copy. From ordinary memory the copy waits for
+    # the device, but the device has nearly nothing queued: the previous step ended by reading
+    # its tokens back.
     M, R = len(tokens), len(logit_rows)
-    index = torch.tensor(tokens + positions + slots + query_positions + logit_rows, device=device)
+    index = torch.tensor(tokens + positions + slots + query_positions + logit_rows, dtype=torch.long, device=device)
     tokens_t, positions_t, slots_t, query_positions_t, logit_rows_t = index.split([M, M, M, n_slots, R])
     one_token_mask = attention_mask(query_positions_t[:, None], max(query_positions) + 1)  # (S, 1, L)
     chunk_masks, first_row = [], len(one_token)
@@ -350,8 +352,8 @@ def belt_picture(belt):
 
 
 def slots_to_fill(belt, policy):
-    """The free slots a waiting request may take now. The whole difference between the policies:
-    continuous refills a slot the step after it frees up; static refills only an empty belt."""
+    """The free slots a waiting request may take now. The policies' one decision: continuous
+    refills a slot the step after it frees up; static refills only an empty belt."""
     free = [slot for slot, run in enumerate(belt) if run is None]
     if policy == "static" and len(free) < len(belt):
         return []
@@ -419,6 +421,7 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
             padding_slots = [s for s, run in enumerate(belt) if run is None] if policy == "static" else []
             # 4) One forward over all of them; a new token for every run that is due one.
             packed, to_sample = pack_step(work, padding_slots, n_slots, device)
+            model_start = time.perf_counter()
             logits = model.forward_packed(packed, cache)[:len(to_sample)]  # (R, V): padding's rows dropped
             new_tokens = sample_step(logits, to_sample, device)
             now = time.perf_counter()
@@ -432,17 +435,19 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
                     run.first_token_step = step
                 if reason := stop_reason(run.request, run.tokens, max_len, eos_id):
                     completions[run.request_index] = Completion(
-                        run.tokens, reason, run.admit_step, step, run.token_times_s[0], run.token_times_s[-1],
-                        run.first_token_step, run.slot, run.token_times_s)
+                        tokens=run.tokens, finish_reason=reason, admit_step=run.admit_step, finish_step=step,
+                        ttft_s=run.token_times_s[0], latency_s=run.token_times_s[-1],
+                        first_token_step=run.first_token_step, slot=run.slot, token_times_s=run.token_times_s)
                     finished.append(run)
             # 5) Report the step: the belt as it ran, and who came and went.
             if on_step is not None:
                 on_step(StepReport(
-                    step, belt_picture(belt), len(to_sample), sum(run is not None and run.is_prefilling for run in belt),
-                    len(waiting), n_prompt_tokens, admitted,
-                    [(run.request_index, completions[run.request_index]) for run in finished],
-                    now - step_start, time.perf_counter() - step_start,
-                    [run.request_index for run in to_sample], logits))
+                    step=step, belt=belt_picture(belt), n_running=len(to_sample),
+                    n_prefilling=sum(run is not None and run.is_prefilling for run in belt),
+                    n_waiting=len(waiting), n_prompt_tokens=n_prompt_tokens, admitted=admitted,
+                    finished=[(run.request_index, completions[run.request_index]) for run in finished],
+                    model_s=now - model_start, step_s=time.perf_counter() - step_start,
+                    sampled=[run.request_index for run in to_sample], logits=logits))
             # 6) Retire finished requests: wipe what each wrote, and its slot is free next step.
             for run in finished:
                 cache.clear(run.slot, run.n_cached)
@@ -721,11 +726,11 @@ def run_all(model, requests, runs, args, eos_id, show_belt):
     for name, n_slots, policy, prefill_chunk in runs:
         if show_belt:
             print(f"\n== {name}: {len(requests)} requests, {n_slots} slots (letter: the request that made a "
-                  f"token in that slot; '~': a prompt still going in; '.': a slot doing no useful work)")
+                  f"token in that slot; '~': its prompt not all in yet; '.': a slot doing no useful work)")
         reports, start = [], time.perf_counter()
 
         def on_step(report):
-            reports.append(report)
+            reports.append(replace(report, logits=None))  # the figures need no logits: keep no (R, V) per step
             if show_belt:
                 print_step(report)
             elif sys.stderr.isatty():  # a long quiet run still shows that it is alive
