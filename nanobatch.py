@@ -1141,8 +1141,8 @@ def main(argv=None):
     """Parse, refuse what does not apply, run one mode. The parser knows no defaults (DEFAULTS comes
     after the checks), so it returns exactly what was typed: an option that does not apply to the
     mode is refused even when typed with its default value."""
-    parser = argparse.ArgumentParser(prog="nanobatch.py", usage="%(prog)s (--demo | --prompt TEXT | --bench | --verify) "
-                                     "[options]", argument_default=argparse.SUPPRESS,
+    parser = argparse.ArgumentParser(prog="nanobatch.py", argument_default=argparse.SUPPRESS,
+                                     usage="%(prog)s (--demo | --prompt TEXT | --bench | --verify) [options]",
                                      description="Continuous batching for GPT-2, in one loop you can read.")
     what = parser.add_argument_group("what to run").add_mutually_exclusive_group(required=True)
     what.add_argument("--demo", action="store_true", help="a mixed workload, continuous vs static")
@@ -1159,14 +1159,15 @@ def main(argv=None):
     work.add_argument("--temperature", type=float, metavar="T", help="--demo, --prompt: 0 is greedy (0)")
     work.add_argument("--top-k", type=int, metavar="K", help="--demo, --prompt: sample among the K likeliest")
     work.add_argument("--max-new-tokens", type=int, metavar="N", help="--prompt: per request (64)")
-    work.add_argument("--policy", choices=POLICIES, help="--prompt: how to fill the belt (continuous)")
+    work.add_argument("--policy", choices=POLICIES, help="--prompt, --verify: how to fill the belt (continuous)")
     work.add_argument("--requests", type=positive(int), metavar="N", help="--bench: how many (16 per slot)")
     work.add_argument("--arrival-rate", type=positive(float), metavar="R",
                       help="--bench: requests per step (all at once)")
     setup = parser.add_argument_group("model and output")
     setup.add_argument("--weights", metavar="PATH", help="a checkpoint directory or file, or gpt2, gpt2-medium, "
                        "... to download")
-    setup.add_argument("--quick", action="store_true", help="--demo, --bench: a tiny random model, in seconds")
+    setup.add_argument("--quick", action="store_true",
+                       help="--demo, --bench, --verify: a tiny random model, in seconds")
     setup.add_argument("--device", type=usable_device, help="cpu, cuda, cuda:1, ... (cuda when present)")
     setup.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], help="(float32)")
     setup.add_argument("--quiet", action="store_true", help="--demo, --prompt: no belt, only the summary")
