@@ -268,6 +268,34 @@ def test_stopping_rules_in_order(gpt, serve):
     assert (context.tokens, context.finish_reason) == (free[:k], "context")
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_rows_computed_per_step(gpt, monkeypatch, policy):
+    """What each step costs: continuous batching computes a row for each running request and no
+    empty ones; static batching, like a padded batch, keeps computing a finished request's row (with
+    its logits) until the whole batch is done. Counted from the forward the engine really runs."""
+    rows = []  # per step: (one-token rows, logits rows)
+    forward_packed = GPT.forward_packed
+
+    def counting(model, step, cache):
+        rows.append((step.n_one_token, step.logit_rows.numel()))
+        return forward_packed(model, step, cache)
+
+    monkeypatch.setattr(GPT, "forward_packed", counting)
+    rng = random.Random(12)  # prompts of 2+ tokens: an admitted prompt is a chunk, not a one-token row
+    requests = [Request(random_prompt(rng, rng.randint(2, 6)), rng.randint(1, 12)) for _ in range(9)]
+    reports = []
+    generate(gpt, requests, n_slots=3, max_len=MAX_LEN, eos_id=None, policy=policy, on_step=reports.append)
+    assert len(rows) == len(reports)
+    for (n_one_token, n_logits), report in zip(rows, reports):
+        n_decoding = report.n_running - len(report.admitted)  # whole prompts: the admitted sample at once
+        if policy == "continuous":
+            assert (n_one_token, n_logits) == (n_decoding, report.n_running), f"step {report.step}: {rows}"
+        elif not report.admitted:  # a static batch mid-way: every slot a row, finished ones padding
+            assert (n_one_token, n_logits) == (3, 3), f"step {report.step}: {rows}"
+    if policy == "static":
+        assert any(report.n_running < 3 and not report.admitted for report in reports), "no padding was needed"
+
+
 def test_reused_slot_gives_the_same_answer(gpt):
     """A freed slot keeps its previous occupant's keys. A short request must not notice: in one slot,
     after a long request, it answers exactly as it does in a fresh cache."""
