@@ -872,13 +872,19 @@ def prompt_mode(args):
     return [(args.policy, args.slots, completions[args.policy], summaries[args.policy])]
 
 
+def seeded_model(args):
+    """The model --bench and --verify measure: --weights, else a random GPT-2 (tiny with --quick),
+    the same for every run with the same --seed."""
+    torch.manual_seed(args.seed)
+    model = load_gpt2(args.weights) if args.weights else GPT(TINY if args.quick else GPTConfig())
+    return model.to(args.device, args.dtype).eval()
+
+
 def bench(args):
     """Seeded workloads, timed: continuous against static and sequential (the engine with one
     slot), the scheduler's efficiency, and long prompts served whole or in chunks -> the panels of
     continuous and static."""
-    torch.manual_seed(args.seed)
-    model = load_gpt2(args.weights) if args.weights else GPT(TINY if args.quick else GPTConfig())
-    model = model.to(args.device, args.dtype).eval()
+    model = seeded_model(args)
     V, rng = model.config.vocab_size, random.Random(args.seed)
     n_requests = args.requests or 16 * args.slots  # a steady stream: many more requests than slots
     lengths = long_tailed(rng, n_requests, mean=16, cap=128)
@@ -1014,9 +1020,7 @@ def verdict(batched, sequential, exact):
 def verify(args):
     """Seeded greedy requests through generate and through generate_sequential; each answer
     identical, or apart by rounding, or by a BUG. Exits with status 1 if any is a BUG, else 0."""
-    torch.manual_seed(args.seed)
-    model = GPT.from_pretrained(args.weights) if args.weights else GPT(TINY if args.quick else GPTConfig())
-    model = model.to(args.device, args.dtype).eval()
+    model = seeded_model(args)
     tokenizer = None if args.quick else load_tokenizer()
     if tokenizer and tokenizer.n_vocab != model.config.vocab_size:
         tokenizer = None

@@ -1212,6 +1212,17 @@ def test_cli_bad_input_is_one_line(capsys):
                                             "model's block_size), got 1"], err
 
 
+@pytest.mark.parametrize("mode", ["--bench", "--verify", "--demo"])
+def test_cli_missing_checkpoint_is_one_line(mode, tmp_path, capsys):
+    """A --weights that is not there ends in one line naming it, exit status 2, in every mode that
+    loads weights."""
+    missing = str(tmp_path / "no-such-checkpoint")
+    with pytest.raises(SystemExit) as exit:
+        nanobatch.main([mode, "--weights", missing])
+    err = capsys.readouterr().err.splitlines()
+    assert exit.value.code == 2 and len(err) == 1 and err[0].startswith(f"nanobatch.py: error: {missing}"), err
+
+
 @pytest.mark.parametrize("error", [RuntimeError("shapes cannot be multiplied (8x64 and 65x64)"),
                                    ValueError("too many values to unpack (expected 5)")])
 def test_cli_a_broken_loop_keeps_its_traceback(monkeypatch, error):
