@@ -155,6 +155,13 @@ class KVCache:
         max_len, keeps the cost proportional to the work done."""
         self.kv[:, :, slot, :n_positions].zero_()
 
+    def send(self, slot, n_positions, to, to_slot):
+        """Copy the first n_positions of one slot, every layer's keys and values, into a slot of
+        another cache, on this device or another, in one copy; returns the bytes moved. This is the
+        handover of disaggregated prefill, which a real deployment sends over NVLink or RDMA."""
+        to.kv[:, :, to_slot, :n_positions].copy_(self.kv[:, :, slot, :n_positions])
+        return self.kv[:, :, slot, :n_positions].numel() * self.kv.element_size()
+
     @property
     def nbytes(self):
         return self.kv.numel() * self.kv.element_size()

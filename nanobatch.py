@@ -16,6 +16,9 @@ A belt of S slots, each able to hold one sequence's keys and values in the KV ca
 Static batching is the same loop with one decision changed (`slots_to_fill`): it refills only an
 empty belt, so a short answer's slot idles until the longest answer of its batch is done; and, as
 a padded batch does, it still computes that idle slot's row (phase 3 of `generate`).
+Disaggregated (`disaggregate=True`), a PrefillWorker on hardware of its own prefills every prompt,
+the loop feeds no prompt token, and a request joins the belt's decoding once the worker has copied
+its keys and values into the slot that was reserved for it at admission.
 
 Shapes in comments use model.py's legend; those met here: S slots, B rows of queries, M tokens
 packed into a step, D of them one-token rows, T tokens in one prompt chunk, L cache positions
@@ -29,10 +32,13 @@ import os
 import random
 import reprlib
 import string
+import queue
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
@@ -108,8 +114,10 @@ def sample_step(logits, runs, device):
 
 
 def synchronize(device):
-    if device.type == "cuda":  # GPU work is queued, not done, when Python moves on
-        torch.cuda.synchronize(device)
+    """Wait for the work this thread queued on the device: GPU work is queued, not done, when
+    Python moves on. Only this thread's stream: the prefill worker's stream goes its own pace."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def stop_reason(request, tokens, max_len, eos_id):
@@ -121,6 +129,383 @@ def stop_reason(request, tokens, max_len, eos_id):
     if len(request.prompt) + len(tokens) == max_len:
         return "context"  # its slot is full: the next token would have no position
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention mask, and packing a step's tokens into one forward
+
+
+def attention_mask(positions, L):
+    """(B, T, L) bool: a token may see position l of its own slot iff l <= its own position.
+
+    Each row reads one slot only, so requests never see each other; within a slot this one rule
+    is causal attention over exactly the slot's own prefix. What lies beyond (keys left by the
+    slot's previous occupant, 'x' below) is never seen. A step that mixes decoding and a prompt
+    chunk, 1 = visible:
+
+      one-token rows, B = S = 4, T = 1               a chunk in slot 2, B = 1, T = 3: the
+      cache position   0 1 2 3 4 5                   prompt's positions 3..5 (0..2 came in
+      slot 0, pos 2    1 1 1 0 0 0   (3.. hold x)    the previous step's chunk)
+      slot 1, pos 5    1 1 1 1 1 1                   cache position   0 1 2 3 4 5
+      slot 2, no row   1 0 0 0 0 0   dropped                pos 3    1 1 1 1 0 0
+      slot 3, pos 0    1 0 0 0 0 0   (1.. hold x)           pos 4    1 1 1 1 1 0
+                                                            pos 5    1 1 1 1 1 1
+    """
+    key_positions = torch.arange(L, device=positions.device)  # (L,)
+    return key_positions[None, None, :] <= positions[:, :, None]  # (B, T, L)
+
+
+def pack_step(work, padding_slots, n_slots, device):
+    """This step's work as one model.PackedStep, and the runs to sample, in the order of its logits.
+
+    work: [(run, the token ids it feeds)]. padding_slots: slots that feed a token nobody reads, and
+    get logits nobody samples from (static batching's finished rows). One-token rows come first, one
+    per slot; then the chunks. The logits rows of the runs to sample come first, then padding's.
+    """
+    one_token = [(run, run.slot, run.n_cached, ids) for run, ids in work if len(ids) == 1]
+    one_token += [(None, slot, 0, [0]) for slot in padding_slots]  # token 0 at position 0
+    chunks = [(run, run.slot, run.n_cached, ids) for run, ids in work if len(ids) > 1]
+    tokens, positions, slots, logit_rows, padding_rows, to_sample = [], [], [], [], [], []
+    for run, slot, first_position, ids in one_token + chunks:
+        tokens += ids
+        positions += range(first_position, first_position + len(ids))
+        slots += [slot] * len(ids)
+        # A run samples once its feed has brought all it has (prompt and answer) into the cache:
+        # a decoding request every step, a prompt in the step that completes it.
+        if run is None:
+            padding_rows.append(len(tokens) - 1)
+        elif run.n_cached + len(ids) == len(run.request.prompt) + len(run.tokens):
+            logit_rows.append(len(tokens) - 1)
+            to_sample.append(run)
+    logit_rows += padding_rows
+    query_positions = [0] * n_slots  # each slot's one-token row's position (0 for a slot with none)
+    for _, slot, first_position, _ in one_token:
+        query_positions[slot] = first_position
+    # Every index of the step in one host-to-device copy. From ordinary memory the copy waits for
+    # the device, but the device has nearly nothing queued: the previous step ended by reading
+    # its tokens back.
+    M, R = len(tokens), len(logit_rows)
+    index = torch.tensor(tokens + positions + slots + query_positions + logit_rows, dtype=torch.long, device=device)
+    tokens_t, positions_t, slots_t, query_positions_t, logit_rows_t = index.split([M, M, M, n_slots, R])
+    one_token_mask = attention_mask(query_positions_t[:, None], max(query_positions) + 1)  # (S, 1, L)
+    chunk_masks, first_row = [], len(one_token)
+    for _, slot, first_position, ids in chunks:
+        rows = slice(first_row, first_row + len(ids))
+        mask = attention_mask(positions_t[rows][None], first_position + len(ids))[0]  # (T, L)
+        chunk_masks.append((rows, slot, mask))
+        first_row += len(ids)
+    packed = PackedStep(tokens_t, positions_t, slots_t, len(one_token), one_token_mask, chunk_masks, logit_rows_t)
+    return packed, to_sample
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop's state, and its decisions
+
+
+@dataclass
+class Running:
+    """A request in a slot: the per-slot state the loop keeps."""
+    request_index: int  # position of the request in the caller's list
+    request: Request
+    slot: int
+    sampler: torch.Generator
+    admit_step: int
+    n_cached: int = 0  # tokens of prompt + answer whose keys and values are in the slot already
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    token_times_s: list[float] = field(default_factory=list)  # seconds from arrival to each token
+    first_token_step: int | None = None
+
+    @property
+    def is_prefilling(self):  # its prompt is not all in the cache yet, so it has no token yet
+        return self.n_cached < len(self.request.prompt)
+
+
+@dataclass
+class StepReport:
+    step: int
+    belt: str  # a character per slot: the letter of the request that made a token there, '~' for
+    #            one whose prompt is still going in, '.' for a slot doing no useful work
+    n_running: int  # requests that made a token this step
+    n_prefilling: int  # requests in a slot whose prompt is not all in the cache yet
+    n_waiting: int  # arrived requests still queued
+    n_prompt_tokens: int  # prompt tokens that went through the model this step
+    admitted: list[int]  # request indices that took a slot this step
+    finished: list[tuple[int, Completion]]  # (request index, its completion)
+    model_s: float  # seconds in the forward pass and sampling, until the tokens were back
+    step_s: float  # seconds for the whole step, the scheduling around the model included
+    sampled: list[int]  # request indices that made a token, in the order of logits' rows
+    logits: torch.Tensor  # (R, V): the logits those tokens were sampled from
+    handed_over: list[int] = field(default_factory=list)  # disaggregated: requests whose prompt the
+    #                        prefill worker handed over this step, their first token with it
+    kv_bytes: int = 0  # bytes of keys and values the worker copied into their slots
+    kv_s: float = 0.0  # seconds those copies took, on the worker's side
+
+
+def letter(request_index):
+    """The request's name on screen: A-Z, then a-z, then A again."""
+    letters = string.ascii_uppercase + string.ascii_lowercase
+    return letters[request_index % len(letters)]
+
+
+def belt_picture(belt):
+    """A character per slot: the request's letter, '~' while its prompt goes in, '.' when empty."""
+    return "".join("." if run is None else "~" if run.is_prefilling else letter(run.request_index)
+                   for run in belt)
+
+
+def slots_to_fill(belt, policy):
+    """The free slots a waiting request may take now. The policies' one decision: continuous
+    refills a slot the step after it frees up; static refills only an empty belt."""
+    free = [slot for slot, run in enumerate(belt) if run is None]
+    if policy == "static" and len(free) < len(belt):
+        return []
+    return free
+
+
+def plan_step(belt, prefill_chunk):
+    """The tokens each request feeds this step: [(run, token ids)].
+
+    Decoding requests come first, each with its newest token: a prompt never delays them. Then the
+    prompts, first come first served, share a budget of prefill_chunk tokens (None: no limit); a
+    prompt that does not fit continues in the next steps (chunked prefill), so one long prompt
+    cannot stall the belt's decoding for long.
+    """
+    runs = sorted((run for run in belt if run is not None), key=lambda run: run.request_index)
+    work = [(run, [run.tokens[-1]]) for run in runs if not run.is_prefilling]
+    budget = math.inf if prefill_chunk is None else prefill_chunk
+    for run in sorted((run for run in runs if run.is_prefilling), key=lambda run: run.request.arrival):
+        n = min(budget, len(run.request.prompt) - run.n_cached)
+        if n == 0:
+            break
+        work.append((run, run.request.prompt[run.n_cached:run.n_cached + n]))
+        budget -= n
+    return work
+
+
+# ---------------------------------------------------------------------------------------------
+# Disaggregated prefill: the prompts on hardware of their own
+
+
+@dataclass
+class Handover:
+    """What the prefill worker sends back once a request's keys and values are in its slot."""
+    run: Running  # the loop's own Running, whose slot was reserved at admission
+    token: int  # its first token, sampled by the worker with the request's own generator
+    logits: torch.Tensor  # (V,) the logits that token was sampled from
+    kv_bytes: int  # bytes of keys and values copied into the slot: the transfer
+    kv_s: float  # seconds the copy took
+
+
+def prefill_device(device):
+    """The worker's device beside a loop on `device`: a second GPU if there is one, else `device`."""
+    n_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    return torch.device("cuda", (device.index + 1) % n_gpus) if n_gpus > 1 else device
+
+
+def split_threads(n_threads):
+    """A CPU's threads shared out: (the worker's, the decode loop's), at least one each."""
+    return max(1, n_threads // 2), max(1, n_threads - n_threads // 2)
+
+
+class PrefillWorker:
+    """The prefill machine: a thread of its own, started as a `with` block begins and joined as it
+    ends, however it ends. The loop keeps the calling thread and the model's device; the worker gets
+    a second GPU and a copy of the weights if there is one, else a CUDA stream of its own on the one
+    GPU (shared, then), or half of a CPU's torch threads (a per-thread setting). The loop puts in
+    the inbox a Running request whose slot it reserved; the worker prefills the prompt into a cache
+    of its own, samples the first token, copies the keys and values into that slot, and puts a
+    Handover in the outbox, or the exception that stopped it, which the loop raises."""
+
+    def __init__(self, model, cache, max_len, prefill_chunk):
+        self.model, self.cache, self.max_len, self.prefill_chunk = model, cache, max_len, prefill_chunk
+        self.inbox, self.outbox = queue.Queue(), queue.Queue()  # Running (None: stop); Handover or error
+        self.n_threads = torch.get_num_threads()  # the caller's setting, given back at the end
+
+    def __enter__(self):
+        device = self.model.lm_head.weight.device
+        worker_device, (worker_threads, loop_threads) = prefill_device(device), split_threads(self.n_threads)
+        model = self.model if worker_device == device else copy.deepcopy(self.model).to(worker_device)
+        if device.type == "cpu":
+            torch.set_num_threads(loop_threads)
+        self.thread = threading.Thread(target=self.prefill, args=(model, worker_threads), daemon=True,
+                                       name="nanobatch prefill worker")
+        self.thread.start()
+        return self
+
+    def prefill(self, model, n_threads):  # the worker's thread
+        try:
+            device = model.lm_head.weight.device
+            if device.type == "cpu":
+                torch.set_num_threads(n_threads)
+            stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+            with torch.no_grad(), torch.cuda.stream(stream) if stream else nullcontext():  # both per thread
+                # One slot, the prompt in hand. It needs no wiping between prompts: a prompt on a belt of
+                # one attends over its own positions only, and writes each before it reads it.
+                own_cache = model.new_cache(1, self.max_len)
+                while (run := self.inbox.get()) is not None:
+                    here = Running(run.request_index, run.request, 0, run.sampler, run.admit_step)  # slot 0 here
+                    while here.is_prefilling:  # the loop's own plan, on a belt of one: prefill_chunk a forward
+                        packed, _ = pack_step(plan_step([here], self.prefill_chunk), [], 1, device)
+                        logits = model.forward_packed(packed, own_cache)  # (1, V) once the prompt is in
+                        here.n_cached += len(packed.tokens)
+                    logits = logits[0].to(self.cache.kv.device)  # (V,)
+                    token = sample(logits, run.request, run.sampler).item()
+                    start = time.perf_counter()
+                    kv_bytes = own_cache.send(0, here.n_cached, to=self.cache, to_slot=run.slot)  # the transfer
+                    synchronize(device)
+                    self.outbox.put(Handover(run, token, logits, kv_bytes, time.perf_counter() - start))
+        except BaseException as error:  # carried to the loop, which raises it with this traceback
+            self.outbox.put(error)
+
+    def receive(self, wait):
+        """The Handovers put since the last call; with wait, at least one (the loop is idle)."""
+        handovers = [self.outbox.get()] if wait else []
+        while not self.outbox.empty():
+            handovers.append(self.outbox.get())
+        for handover in handovers:
+            if isinstance(handover, BaseException):
+                raise handover
+            if handover.logits.is_cuda:  # made on the worker's stream, read on the loop's: tell the allocator
+                handover.logits.record_stream(torch.cuda.current_stream(handover.logits.device))
+        return handovers
+
+    def __exit__(self, *exception):
+        while not self.inbox.empty():  # the prompts not started are dropped, and the worker
+            self.inbox.get()  # stops after the one in hand
+        self.inbox.put(None)
+        self.thread.join()
+        torch.set_num_threads(self.n_threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+
+
+def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="continuous",
+             prefill_chunk=None, on_step=None, disaggregate=False):
+    """Serve every request through a belt of n_slots; returns their Completions in request order.
+
+    max_len: positions per slot (default: the model's block_size). eos_id=None: never stop on EOS.
+    prefill_chunk: at most this many prompt tokens enter a step (None: whole prompts at once).
+    on_step: called with a StepReport after every step (the library itself prints nothing).
+    disaggregate: a PrefillWorker prefills every prompt and the loop only decodes; prefill_chunk is
+    then the most prompt tokens in one forward of the worker.
+    """
+    max_len = model.config.block_size if max_len is None else max_len
+    requests = check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk=prefill_chunk,
+                               disaggregate=disaggregate)  # below the loop: all refused before any work
+    device = model.lm_head.weight.device
+    cache = model.new_cache(n_slots, max_len)  # the only large allocation, reused by every request
+    pending = deque(sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i)))
+    waiting = deque()  # arrived, not yet admitted: first come, first served
+    belt = [None] * n_slots  # belt[slot]: the Running request in that slot, or None
+    completions, arrived_at = [None] * len(requests), [None] * len(requests)  # arrived_at: wall time
+    step, n_done = 0, 0
+    prefill = PrefillWorker(model, cache, max_len, prefill_chunk) if disaggregate else nullcontext()
+    with torch.no_grad(), prefill as worker:  # worker: None unless disaggregated
+        while n_done < len(requests):
+            # 0) Nothing running and nothing waiting: jump the clock to the next arrival.
+            if all(run is None for run in belt) and not waiting:
+                step = max(step, requests[pending[0]].arrival)
+            # 1) Arrivals join the queue.
+            step_start = time.perf_counter()
+            while pending and requests[pending[0]].arrival <= step:
+                arrived_at[pending[0]] = step_start
+                waiting.append(pending.popleft())
+            # 2) Admit waiting requests into free slots; their prompts go in from this step on, or to
+            #    the worker, the slot reserved for them until it hands their keys and values over.
+            admitted = []
+            for slot in slots_to_fill(belt, policy)[:len(waiting)]:
+                i = waiting.popleft()
+                belt[slot] = Running(i, requests[i], slot, new_sampler(requests[i], device), admit_step=step)
+                admitted.append(i)
+                if worker:
+                    worker.inbox.put(belt[slot])
+            # 3) Choose the step's tokens; with a worker, no prompt token (a budget of 0). Static
+            #    batching runs its batch at a fixed size, as a padded batch does: a finished
+            #    request's row still costs a row (a padding token, its logits included) until its
+            #    whole batch is done. Continuous computes no empty rows.
+            work = plan_step(belt, 0 if worker else prefill_chunk)
+            n_prompt_tokens = sum(len(ids) for run, ids in work if run.is_prefilling)
+            padding_slots = [s for s, run in enumerate(belt) if run is None] if policy == "static" else []
+            # 4) One forward over all of them; a new token for every run that is due one.
+            packed, to_sample = pack_step(work, padding_slots, n_slots, device)
+            model_start = time.perf_counter()
+            logits = model.forward_packed(packed, cache)[:len(to_sample)]  # (R, V): padding's rows dropped
+            new_tokens = sample_step(logits, to_sample, device)
+            model_s = time.perf_counter() - model_start
+            for run, ids in work:
+                run.n_cached += len(ids)
+            # 4b) The prompts the worker has handed over, their keys and values in their slots: each
+            #     makes its first token in this step, and decodes from the next. Nothing to decode
+            #     this step: the loop waits for one.
+            handovers = worker.receive(wait=not work) if worker else []
+            for handover in handovers:
+                handover.run.n_cached = len(handover.run.request.prompt)
+                to_sample.append(handover.run)
+                new_tokens.append(handover.token)
+            if handovers:
+                logits = torch.cat([logits, torch.stack([handover.logits for handover in handovers])])  # (R, V)
+            now = time.perf_counter()
+            finished = []
+            for run, token in zip(to_sample, new_tokens):
+                run.tokens.append(token)
+                run.token_times_s.append(now - arrived_at[run.request_index])
+                if run.first_token_step is None:
+                    run.first_token_step = step
+                if reason := stop_reason(run.request, run.tokens, max_len, eos_id):
+                    completions[run.request_index] = Completion(
+                        tokens=run.tokens, finish_reason=reason, admit_step=run.admit_step, finish_step=step,
+                        ttft_s=run.token_times_s[0], latency_s=run.token_times_s[-1],
+                        first_token_step=run.first_token_step, slot=run.slot, token_times_s=run.token_times_s)
+                    finished.append(run)
+            # 5) Report the step: the belt as it ran, and who came and went.
+            if on_step is not None:
+                on_step(StepReport(
+                    step=step, belt=belt_picture(belt), n_running=len(to_sample),
+                    n_prefilling=sum(run is not None and run.is_prefilling for run in belt),
+                    n_waiting=len(waiting), n_prompt_tokens=n_prompt_tokens, admitted=admitted,
+                    finished=[(run.request_index, completions[run.request_index]) for run in finished],
+                    model_s=model_s, step_s=time.perf_counter() - step_start,
+                    sampled=[run.request_index for run in to_sample], logits=logits,
+                    handed_over=[handover.run.request_index for handover in handovers],
+                    kv_bytes=sum(handover.kv_bytes for handover in handovers),
+                    kv_s=sum(handover.kv_s for handover in handovers)))
+            # 6) Retire finished requests: wipe what each wrote, and its slot is free next step.
+            for run in finished:
+                cache.clear(run.slot, run.n_cached)
+                belt[run.slot] = None
+            n_done += len(finished)
+            step += 1
+    return completions
+
+
+def generate_sequential(model, requests, *, max_len=None, eos_id=EOT):
+    """The reference: one request at a time, the plain no-cache forward over the whole sequence
+    for every token. Slow (quadratic) and plainly right. Its clock counts steps as a one-slot belt
+    with whole prompts would: one token per step, requests first come, first served."""
+    max_len = model.config.block_size if max_len is None else max_len
+    requests = check_arguments(model, requests, 1, max_len, eos_id, "continuous")
+    device = model.lm_head.weight.device
+    order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i))
+    not_arrived, arrived_at, completions = deque(order), [None] * len(requests), [None] * len(requests)
+    step = 0
+    with torch.no_grad():
+        for i in order:
+            request, tokens, token_times_s, reason = requests[i], [], [], None
+            step = admit_step = max(step, request.arrival)  # idle until it arrives
+            sampler = new_sampler(request, device)
+            while reason is None:
+                while not_arrived and requests[not_arrived[0]].arrival <= step:
+                    arrived_at[not_arrived.popleft()] = time.perf_counter()
+                logits = model(torch.tensor([request.prompt + tokens], device=device))  # (1, T, V)
+                tokens.append(int(sample(logits[0, -1], request, sampler)))
+                token_times_s.append(time.perf_counter() - arrived_at[i])
+                reason = stop_reason(request, tokens, max_len, eos_id)
+                step += 1
+            completions[i] = Completion(tokens, reason, admit_step, step - 1, token_times_s[0], token_times_s[-1],
+                                        admit_step, 0, token_times_s)
+    return completions
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,13 +581,13 @@ def token_ids(prompt, name, vocab_size):
 SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes (a negative seed wraps around)
 
 
-def check_arguments(model, requests, n_slots, max_len, eos_id, policy, *, prefill_chunk=None):
+def check_arguments(model, requests, n_slots, max_len, eos_id, policy, *, prefill_chunk=None, disaggregate=False):
     """Reject, before any work, everything that could not be served: nothing fails halfway.
 
     Returns the requests as a new list of checked copies in plain Python types: each prompt a
     list[int], each number an int or a float, whatever sequence or numeric type the caller used.
     The caller's Request objects are left as they were. prefill_chunk: None, or the most prompt
-    tokens that may enter one step."""
+    tokens that may enter one step (or one forward of the prefill worker)."""
     V, block_size = model.config.vocab_size, model.config.block_size
     if not (isinstance(policy, str) and policy in POLICIES):
         raise ValueError(f"policy must be one of {POLICIES}, got {shown(policy)}")
@@ -212,6 +597,11 @@ def check_arguments(model, requests, n_slots, max_len, eos_id, policy, *, prefil
                          f"got {shown(max_len)}")
     checked_int(eos_id, "eos_id", 0, V - 1, may_be_none=True)
     checked_int(prefill_chunk, "prefill_chunk", 1, may_be_none=True)
+    if not isinstance(disaggregate, bool):
+        raise ValueError(f"disaggregate must be True or False, got {shown(disaggregate)}")
+    if disaggregate and policy == "static":
+        raise ValueError("disaggregate=True needs policy='continuous': a static batch prefills its prompts "
+                         "together as it starts, with no stream of prompts for a prefill worker to take")
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
         raise ValueError(f"requests must be an iterable of Request, got {type(requests).__name__}")
     requests = list(requests)  # read once: a generator would be used up by the checks below
@@ -231,258 +621,6 @@ def check_arguments(model, requests, n_slots, max_len, eos_id, policy, *, prefil
             seed=checked_int(r.seed, f"requests[{i}].seed", *SEED_RANGE, may_be_none=True),
             arrival=checked_int(r.arrival, f"requests[{i}].arrival", 0)))
     return checked
-
-
-# ---------------------------------------------------------------------------------------------
-# The attention mask, and packing a step's tokens into one forward
-
-
-def attention_mask(positions, L):
-    """(B, T, L) bool: a token may see position l of its own slot iff l <= its own position.
-
-    Each row reads one slot only, so requests never see each other; within a slot this one rule
-    is causal attention over exactly the slot's own prefix. What lies beyond (keys left by the
-    slot's previous occupant, 'x' below) is never seen. A step that mixes decoding and a prompt
-    chunk, 1 = visible:
-
-      one-token rows, B = S = 4, T = 1               a chunk in slot 2, B = 1, T = 3: the
-      cache position   0 1 2 3 4 5                   prompt's positions 3..5 (0..2 came in
-      slot 0, pos 2    1 1 1 0 0 0   (3.. hold x)    the previous step's chunk)
-      slot 1, pos 5    1 1 1 1 1 1                   cache position   0 1 2 3 4 5
-      slot 2, no row   1 0 0 0 0 0   dropped                pos 3    1 1 1 1 0 0
-      slot 3, pos 0    1 0 0 0 0 0   (1.. hold x)           pos 4    1 1 1 1 1 0
-                                                            pos 5    1 1 1 1 1 1
-    """
-    key_positions = torch.arange(L, device=positions.device)  # (L,)
-    return key_positions[None, None, :] <= positions[:, :, None]  # (B, T, L)
-
-
-def pack_step(work, padding_slots, n_slots, device):
-    """This step's work as one model.PackedStep, and the runs to sample, in the order of its logits.
-
-    work: [(run, the token ids it feeds)]. padding_slots: slots that feed a token nobody reads, and
-    get logits nobody samples from (static batching's finished rows). One-token rows come first, one
-    per slot; then the chunks. The logits rows of the runs to sample come first, then padding's.
-    """
-    one_token = [(run, run.slot, run.n_cached, ids) for run, ids in work if len(ids) == 1]
-    one_token += [(None, slot, 0, [0]) for slot in padding_slots]  # token 0 at position 0
-    chunks = [(run, run.slot, run.n_cached, ids) for run, ids in work if len(ids) > 1]
-    tokens, positions, slots, logit_rows, padding_rows, to_sample = [], [], [], [], [], []
-    for run, slot, first_position, ids in one_token + chunks:
-        tokens += ids
-        positions += range(first_position, first_position + len(ids))
-        slots += [slot] * len(ids)
-        # A run samples once its feed has brought all it has (prompt and answer) into the cache:
-        # a decoding request every step, a prompt in the step that completes it.
-        if run is None:
-            padding_rows.append(len(tokens) - 1)
-        elif run.n_cached + len(ids) == len(run.request.prompt) + len(run.tokens):
-            logit_rows.append(len(tokens) - 1)
-            to_sample.append(run)
-    logit_rows += padding_rows
-    query_positions = [0] * n_slots  # each slot's one-token row's position (0 for a slot with none)
-    for _, slot, first_position, _ in one_token:
-        query_positions[slot] = first_position
-    # Every index of the step in one host-to-device copy. From ordinary memory the copy waits for
-    # the device, but the device has nearly nothing queued: the previous step ended by reading
-    # its tokens back.
-    M, R = len(tokens), len(logit_rows)
-    index = torch.tensor(tokens + positions + slots + query_positions + logit_rows, dtype=torch.long, device=device)
-    tokens_t, positions_t, slots_t, query_positions_t, logit_rows_t = index.split([M, M, M, n_slots, R])
-    one_token_mask = attention_mask(query_positions_t[:, None], max(query_positions) + 1)  # (S, 1, L)
-    chunk_masks, first_row = [], len(one_token)
-    for _, slot, first_position, ids in chunks:
-        rows = slice(first_row, first_row + len(ids))
-        mask = attention_mask(positions_t[rows][None], first_position + len(ids))[0]  # (T, L)
-        chunk_masks.append((rows, slot, mask))
-        first_row += len(ids)
-    packed = PackedStep(tokens_t, positions_t, slots_t, len(one_token), one_token_mask, chunk_masks, logit_rows_t)
-    return packed, to_sample
-
-
-# ---------------------------------------------------------------------------------------------
-# The loop
-
-
-@dataclass
-class Running:
-    """A request in a slot: the per-slot state the loop keeps."""
-    request_index: int  # position of the request in the caller's list
-    request: Request
-    slot: int
-    sampler: torch.Generator
-    admit_step: int
-    n_cached: int = 0  # tokens of prompt + answer whose keys and values are in the slot already
-    tokens: list[int] = field(default_factory=list)  # generated so far
-    token_times_s: list[float] = field(default_factory=list)  # seconds from arrival to each token
-    first_token_step: int | None = None
-
-    @property
-    def is_prefilling(self):  # its prompt is not all in the cache yet, so it has no token yet
-        return self.n_cached < len(self.request.prompt)
-
-
-@dataclass
-class StepReport:
-    step: int
-    belt: str  # a character per slot: the letter of the request that made a token there, '~' for
-    #            one whose prompt is still going in, '.' for a slot doing no useful work
-    n_running: int  # requests that made a token this step
-    n_prefilling: int  # requests in a slot whose prompt is not all in the cache yet
-    n_waiting: int  # arrived requests still queued
-    n_prompt_tokens: int  # prompt tokens that went through the model this step
-    admitted: list[int]  # request indices that took a slot this step
-    finished: list[tuple[int, Completion]]  # (request index, its completion)
-    model_s: float  # seconds in the forward pass and sampling, until the tokens were back
-    step_s: float  # seconds for the whole step, the scheduling around the model included
-    sampled: list[int]  # request indices that made a token, in the order of logits' rows
-    logits: torch.Tensor  # (R, V): the logits those tokens were sampled from
-
-
-def letter(request_index):
-    """The request's name on screen: A-Z, then a-z, then A again."""
-    letters = string.ascii_uppercase + string.ascii_lowercase
-    return letters[request_index % len(letters)]
-
-
-def belt_picture(belt):
-    """A character per slot: the request's letter, '~' while its prompt goes in, '.' when empty."""
-    return "".join("." if run is None else "~" if run.is_prefilling else letter(run.request_index)
-                   for run in belt)
-
-
-def slots_to_fill(belt, policy):
-    """The free slots a waiting request may take now. The policies' one decision: continuous
-    refills a slot the step after it frees up; static refills only an empty belt."""
-    free = [slot for slot, run in enumerate(belt) if run is None]
-    if policy == "static" and len(free) < len(belt):
-        return []
-    return free
-
-
-def plan_step(belt, prefill_chunk):
-    """The tokens each request feeds this step: [(run, token ids)].
-
-    Decoding requests come first, each with its newest token: a prompt never delays them. Then the
-    prompts, first come first served, share a budget of prefill_chunk tokens (None: no limit); a
-    prompt that does not fit continues in the next steps (chunked prefill), so one long prompt
-    cannot stall the belt's decoding for long.
-    """
-    runs = sorted((run for run in belt if run is not None), key=lambda run: run.request_index)
-    work = [(run, [run.tokens[-1]]) for run in runs if not run.is_prefilling]
-    budget = math.inf if prefill_chunk is None else prefill_chunk
-    for run in sorted((run for run in runs if run.is_prefilling), key=lambda run: run.request.arrival):
-        n = min(budget, len(run.request.prompt) - run.n_cached)
-        if n == 0:
-            break
-        work.append((run, run.request.prompt[run.n_cached:run.n_cached + n]))
-        budget -= n
-    return work
-
-
-def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="continuous",
-             prefill_chunk=None, on_step=None):
-    """Serve every request through a belt of n_slots; returns their Completions in request order.
-
-    max_len: positions per slot (default: the model's block_size). eos_id=None: never stop on EOS.
-    prefill_chunk: at most this many prompt tokens enter a step (None: whole prompts at once).
-    on_step: called with a StepReport after every step (the library itself prints nothing).
-    """
-    max_len = model.config.block_size if max_len is None else max_len
-    requests = check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk=prefill_chunk)
-    device = model.lm_head.weight.device
-    cache = model.new_cache(n_slots, max_len)  # the only large allocation, reused by every request
-    pending = deque(sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i)))
-    waiting = deque()  # arrived, not yet admitted: first come, first served
-    belt = [None] * n_slots  # belt[slot]: the Running request in that slot, or None
-    completions, arrived_at = [None] * len(requests), [None] * len(requests)  # arrived_at: wall time
-    step, n_done = 0, 0
-    with torch.no_grad():
-        while n_done < len(requests):
-            # 0) Nothing running and nothing waiting: jump the clock to the next arrival.
-            if all(run is None for run in belt) and not waiting:
-                step = max(step, requests[pending[0]].arrival)
-            # 1) Arrivals join the queue.
-            step_start = time.perf_counter()
-            while pending and requests[pending[0]].arrival <= step:
-                arrived_at[pending[0]] = step_start
-                waiting.append(pending.popleft())
-            # 2) Admit waiting requests into free slots; their prompts go in from this step on.
-            admitted = []
-            for slot in slots_to_fill(belt, policy)[:len(waiting)]:
-                i = waiting.popleft()
-                belt[slot] = Running(i, requests[i], slot, new_sampler(requests[i], device), admit_step=step)
-                admitted.append(i)
-            # 3) Choose the step's tokens. Static batching runs its batch at a fixed size, as a
-            #    padded batch does: a finished request's row still costs a row (a padding token, its
-            #    logits included) until its whole batch is done. Continuous computes no empty rows.
-            work = plan_step(belt, prefill_chunk)
-            n_prompt_tokens = sum(len(ids) for run, ids in work if run.is_prefilling)
-            padding_slots = [s for s, run in enumerate(belt) if run is None] if policy == "static" else []
-            # 4) One forward over all of them; a new token for every run that is due one.
-            packed, to_sample = pack_step(work, padding_slots, n_slots, device)
-            model_start = time.perf_counter()
-            logits = model.forward_packed(packed, cache)[:len(to_sample)]  # (R, V): padding's rows dropped
-            new_tokens = sample_step(logits, to_sample, device)
-            now = time.perf_counter()
-            for run, ids in work:
-                run.n_cached += len(ids)
-            finished = []
-            for run, token in zip(to_sample, new_tokens):
-                run.tokens.append(token)
-                run.token_times_s.append(now - arrived_at[run.request_index])
-                if run.first_token_step is None:
-                    run.first_token_step = step
-                if reason := stop_reason(run.request, run.tokens, max_len, eos_id):
-                    completions[run.request_index] = Completion(
-                        tokens=run.tokens, finish_reason=reason, admit_step=run.admit_step, finish_step=step,
-                        ttft_s=run.token_times_s[0], latency_s=run.token_times_s[-1],
-                        first_token_step=run.first_token_step, slot=run.slot, token_times_s=run.token_times_s)
-                    finished.append(run)
-            # 5) Report the step: the belt as it ran, and who came and went.
-            if on_step is not None:
-                on_step(StepReport(
-                    step=step, belt=belt_picture(belt), n_running=len(to_sample),
-                    n_prefilling=sum(run is not None and run.is_prefilling for run in belt),
-                    n_waiting=len(waiting), n_prompt_tokens=n_prompt_tokens, admitted=admitted,
-                    finished=[(run.request_index, completions[run.request_index]) for run in finished],
-                    model_s=now - model_start, step_s=time.perf_counter() - step_start,
-                    sampled=[run.request_index for run in to_sample], logits=logits))
-            # 6) Retire finished requests: wipe what each wrote, and its slot is free next step.
-            for run in finished:
-                cache.clear(run.slot, run.n_cached)
-                belt[run.slot] = None
-            n_done += len(finished)
-            step += 1
-    return completions
-
-
-def generate_sequential(model, requests, *, max_len=None, eos_id=EOT):
-    """The reference: one request at a time, the plain no-cache forward over the whole sequence
-    for every token. Slow (quadratic) and plainly right. Its clock counts steps as a one-slot belt
-    with whole prompts would: one token per step, requests first come, first served."""
-    max_len = model.config.block_size if max_len is None else max_len
-    requests = check_arguments(model, requests, 1, max_len, eos_id, "continuous")
-    device = model.lm_head.weight.device
-    order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i))
-    not_arrived, arrived_at, completions = deque(order), [None] * len(requests), [None] * len(requests)
-    step = 0
-    with torch.no_grad():
-        for i in order:
-            request, tokens, token_times_s, reason = requests[i], [], [], None
-            step = admit_step = max(step, request.arrival)  # idle until it arrives
-            sampler = new_sampler(request, device)
-            while reason is None:
-                while not_arrived and requests[not_arrived[0]].arrival <= step:
-                    arrived_at[not_arrived.popleft()] = time.perf_counter()
-                logits = model(torch.tensor([request.prompt + tokens], device=device))  # (1, T, V)
-                tokens.append(int(sample(logits[0, -1], request, sampler)))
-                token_times_s.append(time.perf_counter() - arrived_at[i])
-                reason = stop_reason(request, tokens, max_len, eos_id)
-                step += 1
-            completions[i] = Completion(tokens, reason, admit_step, step - 1, token_times_s[0], token_times_s[-1],
-                                        admit_step, 0, token_times_s)
-    return completions
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,7 +647,10 @@ LEGEND = {  # each figure of summarize(), in the table's order, and what it coun
     "TTFT P50/P99 (s)": "the same in seconds",
     "TBT P50/P99 (ms)": "time between tokens: the gaps between a request's consecutive tokens",
     "slowest step (ms)": "the longest pause any running request saw, however rare",
-    "time outside the model": "share of the wall time spent scheduling and printing, not in the model",
+    "time outside the model": "share of the wall time spent scheduling and printing, not in the model "
+                              "(disaggregated: also waiting for the prefill worker)",
+    "KV moved (MB / ms)": "disaggregated: keys and values the prefill worker copied into decode slots, and "
+                          "the seconds its copies took",
 }
 
 
@@ -547,6 +688,9 @@ def summarize(requests, completions, reports, wall_s):
         "TBT P50/P99 (ms)": p50_p99(gaps_ms),
         "slowest step (ms)": 1e3 * max(report.step_s for report in reports),
         "time outside the model": 1 - sum(report.model_s for report in reports) / wall_s,
+        "KV moved (MB / ms)": ((sum(report.kv_bytes for report in reports) / 1e6,
+                                1e3 * sum(report.kv_s for report in reports))
+                               if any(report.handed_over for report in reports) else None),
     }
 
 
@@ -572,7 +716,7 @@ def print_table(summaries, legend=False):
 
 def print_step(report):
     """One line per step; read down the screen, the columns are the belt moving."""
-    events = [f"+{letter(i)}" for i in report.admitted]
+    events = [f"+{letter(i)}" for i in report.admitted] + [f">{letter(i)}" for i in report.handed_over]
     events += [f"-{letter(i)}({c.finish_reason},{len(c.tokens)})" for i, c in report.finished]
     print(f"step {report.step:4d} |{report.belt}| {report.n_running:2d}/{len(report.belt)} "
           f"waiting {report.n_waiting:3d}  {' '.join(events)}".rstrip(), flush=True)
@@ -584,6 +728,7 @@ def print_step(report):
 
 SVG_WIDTH, LEFT, RIGHT = 1200, 44, 16  # px: fits a laptop screen; LEFT holds the margin's labels
 TITLE_H, GAP, STRIP_H, AXIS_H = 26, 6, 24, 30  # px: a panel's title, belt-to-strip gap, strip, axis
+STEP_TIMES_H, SCALE_W = 40, 40  # px: the strip of step durations, and room right of it for its scale
 HATCH = ('<pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform='
          '"rotate(45)"><rect width="3" height="6" fill="white" fill-opacity="0.6"/></pattern>')
 
@@ -639,15 +784,18 @@ def stay_svg(i, c, step_w, row_h):
     return tag("g", "".join(parts))
 
 
-def panel_svg(title, n_slots, completions, summary, step_w, n_axis_steps, top):
-    """One run, drawn from y = top down: its title, a belt of n_slots rows, the occupancy strip and
-    the step axis -> (the panel's SVG, the y where the next panel begins)."""
+def panel_svg(title, n_slots, completions, summary, step_times, step_w, n_axis_steps, longest_s, top):
+    """One run, drawn from y = top down: its title, a belt of n_slots rows, the occupancy strip, the
+    step durations if step_times are given ([(step, seconds)], a bar each, longest_s the full
+    height), and the step axis -> (the panel's SVG, the y where the next panel begins)."""
     done = [(i, c) for i, c in enumerate(completions) if c is not None]  # None: did not finish
     n_steps = max((c.finish_step + 1 for _, c in done), default=0)
     row_h = min(22, max(6, 360 / n_slots))  # 8 slots: roomy rows; 64: thin ones, 384 px in all
     belt_h = n_slots * row_h
     heading = (f"{title}, {n_slots} slots: {summary['steps']} steps, {summary['tokens/s']:.1f} tokens/s, "
                f"TTFT P50 {summary['TTFT P50/P99 (steps)'][0]:g} steps")
+    if step_times:
+        heading += f", TBT P99 {summary['TBT P50/P99 (ms)'][1]:.0f} ms"
     parts = [tag("text", escape(heading), x=8, y=18, font_size=15, font_weight="bold"),
              tag("rect", x=LEFT, y=TITLE_H, width=n_steps * step_w, height=belt_h, fill="#eee")]  # idle
     parts += [margin_label(slot, TITLE_H + (slot + 0.5) * row_h)
@@ -661,8 +809,21 @@ def panel_svg(title, n_slots, completions, summary, step_w, n_axis_steps, top):
         bar_h = STRIP_H * sum(c.admit_step <= step <= c.finish_step for _, c in done) / n_slots
         parts.append(tag("rect", class_="occupancy", x=LEFT + step * step_w, y=strip_top + STRIP_H - bar_h,
                          width=step_w, height=bar_h, fill="#666", shape_rendering="crispEdges"))
-    # The step axis, the same in every panel.
+    # The step durations: a bar per step, so that a stall stands out.
     axis_y = strip_top + STRIP_H + 4
+    if step_times:
+        times_top = strip_top + STRIP_H + GAP
+        parts += [margin_label("ms", times_top + STEP_TIMES_H / 2),
+                  tag("rect", x=LEFT, y=times_top, width=n_steps * step_w, height=STEP_TIMES_H, fill="#eee")]
+        for step, seconds in step_times:
+            bar_h = STEP_TIMES_H * seconds / longest_s
+            parts.append(tag("rect", class_="step-time", data_step=step, data_ms=f"{1e3 * seconds:.1f}",
+                             x=LEFT + step * step_w, y=times_top + STEP_TIMES_H - bar_h, width=step_w, height=bar_h,
+                             fill="#c0392b", shape_rendering="crispEdges"))
+        parts.append(tag("text", f"{1e3 * longest_s:.0f} ms", x=LEFT + n_axis_steps * step_w + 4, y=times_top + 8,
+                         font_size=10, fill="#555"))  # the scale: a bar of the full height
+        axis_y = times_top + STEP_TIMES_H + 4
+    # The step axis, the same in every panel of a group.
     parts.append(margin_label("step", axis_y + 8))
     for step in range(0, n_axis_steps + 1, every(step_w, 50, (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))):
         x = LEFT + step * step_w
@@ -672,11 +833,12 @@ def panel_svg(title, n_slots, completions, summary, step_w, n_axis_steps, top):
                transform=f"translate(0, {top})"), top + axis_y + AXIS_H
 
 
-def legend_svg():
+def legend_svg(has_step_times):
     """One line, above the panels, saying what the marks mean."""
     keys = [([colour(2)], "a request in its slot, with its letter (hover over it: details)"),
             ([colour(2), "url(#hatch)"], "its prompt being prefilled: no token yet"),
             (["#eee"], "an idle slot"), (["#666"], "busy: the share of slots holding a request")]
+    keys += [(["#c0392b"], "ms: how long each step took")] if has_step_times else []
     parts, x = [], 8
     for fills, text in keys:
         swatch = "".join(tag("rect", width=20, height=14, fill=fill) for fill in fills)
@@ -686,17 +848,24 @@ def legend_svg():
     return "".join(parts)
 
 
-def belt_svg(panels):
-    """panels: [(title, n_slots, completions, summary)], runs of the same requests -> an SVG
-    document, a panel per run, one under the other on one step scale, so that runs compare by eye.
-    completions: one per request in request order, each with .slot, .admit_step, .first_token_step,
-    .finish_step and .tokens, or None (not finished: not drawn); summary: summarize()'s figures."""
-    n_steps = max((c.finish_step + 1 for _, _, completions, _ in panels for c in completions if c), default=1)
-    step_w = (SVG_WIDTH - LEFT - RIGHT) / n_steps  # px per step: the longest run spans the width
-    parts, top = [tag("defs", HATCH), legend_svg()], 40
-    for panel in panels:
-        group, top = panel_svg(*panel, step_w, n_steps, top)
-        parts.append(group)
+def belt_svg(*groups):
+    """groups: each a list of panels [(title, n_slots, completions, summary, step_times)], runs of
+    the same requests -> an SVG document, a panel per run, one under the other, each group on one
+    step scale (and one scale of step durations), so that its runs compare by eye. completions: one
+    per request in request order, each with .slot, .admit_step, .first_token_step, .finish_step and
+    .tokens, or None (not finished: not drawn); summary: summarize()'s figures; step_times: None, or
+    [(step, seconds)] for a strip of step durations."""
+    has_step_times = any(panel[4] for panels in groups for panel in panels)
+    parts, top = [tag("defs", HATCH), legend_svg(has_step_times)], 40
+    for g, panels in enumerate(groups):
+        top += 4 * GAP if g else 0  # a gap between groups: each has scales of its own
+        n_steps = max((c.finish_step + 1 for _, _, completions, _, _ in panels for c in completions if c), default=1)
+        durations = [seconds for *_, step_times in panels for _, seconds in step_times or ()]
+        width = SVG_WIDTH - LEFT - RIGHT - (SCALE_W if durations else 0)
+        step_w = width / n_steps  # px per step: the longest run spans the width
+        for panel in panels:
+            group, top = panel_svg(*panel, step_w, n_steps, max(durations, default=1), top)
+            parts.append(group)
     return tag("svg", "".join(parts), xmlns="http://www.w3.org/2000/svg", width=SVG_WIDTH, height=top,
                font_family="sans-serif", style="background: white")
 
@@ -714,19 +883,24 @@ def fail(message):
 
 
 def run_all(model, requests, runs, args, eos_id, show_belt):
-    """Serve the same requests once per run, (name, n_slots, policy, prefill_chunk) ->
-    ({name: summarize(...)}, {name: completions}). Ctrl-C prints the figures so far, exits 130."""
-    for _, n_slots, policy, prefill_chunk in runs:  # refuse bad input before printing anything
+    """Serve the same requests once per run, (name, n_slots, policy, prefill_chunk, disaggregate) ->
+    ({name: summarize(...)}, {name: completions}, {name: step reports}). Ctrl-C prints the figures
+    so far, exits 130."""
+    for _, n_slots, policy, prefill_chunk, disaggregate in runs:  # refuse bad input before printing anything
         try:
             check_arguments(model, requests, n_slots, args.max_len or model.config.block_size, eos_id, policy,
-                            prefill_chunk=prefill_chunk)
+                            prefill_chunk=prefill_chunk, disaggregate=disaggregate)
         except ValueError as e:
             fail(e)
-    summaries, completions = {}, {}
-    for name, n_slots, policy, prefill_chunk in runs:
+    summaries, completions, all_reports = {}, {}, {}
+    for name, n_slots, policy, prefill_chunk, disaggregate in runs:
+        where = f"; {placement(model.lm_head.weight.device)}" if disaggregate else ""
         if show_belt:
+            prompt_mark = "with the prefill worker; '>A': A's keys and values handed over" if disaggregate else "not all in yet"
             print(f"\n== {name}: {len(requests)} requests, {n_slots} slots (letter: the request that made a "
-                  f"token in that slot; '~': its prompt not all in yet; '.': a slot doing no useful work)")
+                  f"token in that slot; '~': its prompt {prompt_mark}; '.': a slot doing no useful work){where}")
+        elif disaggregate:
+            print(f"{name}: {placement(model.lm_head.weight.device)}")
         reports, start = [], time.perf_counter()
 
         def on_step(report):
@@ -738,15 +912,29 @@ def run_all(model, requests, runs, args, eos_id, show_belt):
 
         try:
             completions[name] = generate(model, requests, n_slots=n_slots, max_len=args.max_len, eos_id=eos_id,
-                                         policy=policy, prefill_chunk=prefill_chunk, on_step=on_step)
+                                         policy=policy, prefill_chunk=prefill_chunk, on_step=on_step,
+                                         disaggregate=disaggregate)
         except KeyboardInterrupt:
             print_interrupted(name, requests, reports, summaries, time.perf_counter() - start)
             sys.exit(130)  # 128 + SIGINT: how a shell reports a program that Ctrl-C stopped
         wall_s = time.perf_counter() - start
-        summaries[name] = summarize(requests, completions[name], reports, wall_s)
+        summaries[name], all_reports[name] = summarize(requests, completions[name], reports, wall_s), reports
         if not show_belt:
             print(f"\r{name}: {len(requests)} requests in {wall_s:.1f} s", file=sys.stderr)
-    return summaries, completions
+    return summaries, completions, all_reports
+
+
+def placement(device):
+    """Where a disaggregated run's two sides are, in words, for a decode loop on `device`."""
+    worker_device = prefill_device(device)
+    if device.type == "cpu":
+        n_worker, n_loop = split_threads(torch.get_num_threads())
+        return (f"the prefill worker on {n_worker} of torch's {torch.get_num_threads()} CPU threads, the decode loop "
+                f"on {n_loop}")
+    if worker_device == device:
+        return f"the prefill worker on {device} too, on a CUDA stream of its own: one GPU, shared by both sides"
+    return (f"the prefill worker on {worker_device} with a copy of the weights, the decode loop on {device}: keys "
+            f"and values cross between the GPUs")
 
 
 def print_interrupted(name, requests, reports, summaries, wall_s):
@@ -841,19 +1029,22 @@ def demo(args):
                         arrival=0 if i < first_wave else 2 * (i - first_wave + 1))
                 for i, (prompt, max_new) in enumerate(zip(prompts, lengths))]
     # Prompts go in DEMO_PREFILL_CHUNK tokens a step unless told otherwise, so that a slot taking
-    # in a long prompt ('~') is seen beside slots that keep decoding.
+    # in a long prompt ('~') is seen beside slots that keep decoding. Disaggregated, the continuous
+    # run's prompts go to the prefill worker instead, whole unless told otherwise; static cannot.
     prefill_chunk = args.prefill_chunk or DEMO_PREFILL_CHUNK
-    runs = [(policy, args.slots, policy, prefill_chunk) for policy in POLICIES]
-    summaries, completions = run_all(model, requests, runs, args, EOT, show_belt=not args.quiet)
+    name = "disaggregated" if args.disaggregate else "continuous"
+    runs = [(name, args.slots, "continuous", args.prefill_chunk if args.disaggregate else prefill_chunk,
+             args.disaggregate), ("static", args.slots, "static", prefill_chunk, False)]
+    summaries, completions, _ = run_all(model, requests, runs, args, EOT, show_belt=not args.quiet)
     if tokenizer:
-        print_texts(tokenizer, requests, completions["continuous"])
+        print_texts(tokenizer, requests, completions[name])
     print_table(summaries, legend=True)
-    cont, stat = summaries["continuous"], summaries["static"]
+    cont, stat = summaries[name], summaries["static"]
     print(f"\nThe rows to compare: steps and TTFT. The same {cont['generated tokens']} tokens took "
-          f"{cont['steps']} steps continuous, {stat['steps']} static, and the median request\nwaited "
+          f"{cont['steps']} steps {name}, {stat['steps']} static, and the median request\nwaited "
           f"{cont['TTFT P50/P99 (steps)'][0]} steps for its first token, against {stat['TTFT P50/P99 (steps)'][0]}: "
           f"static refills the belt only once the longest answer of its batch is done.")
-    return [(policy, args.slots, completions[policy], summaries[policy]) for policy in POLICIES]
+    return [[(run, args.slots, completions[run], summaries[run], None) for run, *_ in runs]]
 
 
 def prompt_mode(args):
@@ -865,11 +1056,12 @@ def prompt_mode(args):
     model = model.to(args.device, args.dtype).eval()
     requests = [Request(tokenizer.encode(text), args.max_new_tokens, args.temperature, args.top_k,
                         seed=args.seed + i) for i, text in enumerate(args.prompt)]
-    run = (args.policy, args.slots, args.policy, args.prefill_chunk)
-    summaries, completions = run_all(model, requests, [run], args, EOT, show_belt=not args.quiet)
-    print_texts(tokenizer, requests, completions[args.policy])
+    name = "disaggregated" if args.disaggregate else args.policy
+    run = (name, args.slots, args.policy, args.prefill_chunk, args.disaggregate)
+    summaries, completions, _ = run_all(model, requests, [run], args, EOT, show_belt=not args.quiet)
+    print_texts(tokenizer, requests, completions[name])
     print_table(summaries, legend=True)
-    return [(args.policy, args.slots, completions[args.policy], summaries[args.policy])]
+    return [[(name, args.slots, completions[name], summaries[name], None)]]
 
 
 def seeded_model(args):
@@ -882,8 +1074,8 @@ def seeded_model(args):
 
 def bench(args):
     """Seeded workloads, timed: continuous against static and sequential (the engine with one
-    slot), the scheduler's efficiency, and long prompts served whole or in chunks -> the panels of
-    continuous and static."""
+    slot), the scheduler's efficiency, and long prompts served whole, in chunks or disaggregated ->
+    two groups of panels: continuous and static; the three long-prompt runs."""
     model = seeded_model(args)
     V, rng = model.config.vocab_size, random.Random(args.seed)
     n_requests = args.requests or 16 * args.slots  # a steady stream: many more requests than slots
@@ -894,16 +1086,20 @@ def bench(args):
     print(f"bench: {n_requests} requests, prompts of 4-16 tokens, answers of {min(lengths)}-{max(lengths)} "
           f"(mean {sum(lengths) / n_requests:.1f}) tokens, GPT-2 {model.config.n_layer} layers "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M, {args.device}, {args.dtype}")
-    runs = [("continuous", args.slots, "continuous", args.prefill_chunk),
-            ("static", args.slots, "static", args.prefill_chunk), ("sequential", 1, "continuous", args.prefill_chunk)]
+    if args.disaggregate:
+        print("--disaggregate: continuous, sequential and packable prefill on a worker of their own; static "
+              "batching cannot, and runs as without it")
+    runs = [("continuous", args.slots, "continuous", args.prefill_chunk, args.disaggregate),
+            ("static", args.slots, "static", args.prefill_chunk, False),
+            ("sequential", 1, "continuous", args.prefill_chunk, args.disaggregate)]
     # eos_id=None: every answer runs to its drawn length, so real weights see the same workload.
-    summaries, completions = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
+    summaries, completions, _ = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
     # The scheduler's efficiency: the same prompts with every answer of the mean length, so that a
     # belt of them never idles. While requests wait, continuous should come close to its rate.
     mean_length = round(sum(lengths) / n_requests)
     packable = [Request(r.prompt, mean_length, arrival=r.arrival) for r in requests]
-    summaries.update(run_all(model, packable, [("packable", args.slots, "continuous", args.prefill_chunk)], args,
-                             eos_id=None, show_belt=False)[0])
+    packable_run = ("packable", args.slots, "continuous", args.prefill_chunk, args.disaggregate)
+    summaries.update(run_all(model, packable, [packable_run], args, eos_id=None, show_belt=False)[0])
     print_table(summaries, legend=True)
     cont, stat, seq, ideal = (summaries[name] for name in ("continuous", "static", "sequential", "packable"))
     print(f"\nsteps static / continuous:        {stat['steps'] / cont['steps']:.2f}x")
@@ -918,7 +1114,7 @@ def bench(args):
         print("--quick: on a model this small a step's fixed cost (Python, and launching each of its "
               "operations) dominates what its rows cost, so these ratios are not GPT-2's: steps compare "
               "fairly, seconds do not. Without --quick: GPT-2 124M.")
-    long_prompts(model, args)
+    long_prompt_panels = long_prompts(model, args)
     if model.config.block_size >= 1024:
         short, long = (time_decode_step(model, args.slots, max_len, position=100, repeats=10)
                        for max_len in (128, 1024))
@@ -936,12 +1132,15 @@ def bench(args):
             peak = "not measured here"
     print(f"KV cache: {cache_bytes / 1e6:.1f} MB ({args.slots} slots x {max_len} positions), made once per "
           f"run; peak memory of the whole process: {peak}")
-    return [(name, args.slots, completions[name], summaries[name]) for name in ("continuous", "static")]
+    return [[(name, args.slots, completions[name], summaries[name], None) for name in ("continuous", "static")],
+            long_prompt_panels]
 
 
 def long_prompts(model, args):
     """A steady stream of short requests with a few long prompts among them, served with whole
-    prompts and with chunks: a whole long prompt stalls every decoding request for one long step."""
+    prompts, in chunks, and disaggregated: a whole long prompt stalls every decoding request for one
+    long step; chunks spread it over several; a prefill worker takes it off the belt -> their
+    panels, each with its step durations."""
     V, rng, n_requests = model.config.vocab_size, random.Random(args.seed + 1), 8 * args.slots
     long_len = min(600, (args.max_len or model.config.block_size) - 70)
     lengths = long_tailed(rng, n_requests, mean=16, cap=64)
@@ -951,13 +1150,21 @@ def long_prompts(model, args):
                 for i, (n, long) in enumerate(zip(lengths, is_long))]
     chunk = args.prefill_chunk or 64
     print(f"\nlong prompts: {n_requests} requests arriving one every other step, {sum(is_long)} of them with "
-          f"{long_len}-token prompts, the rest 4-16; whole prompts against chunks of {chunk}")
-    runs = [("whole prompts", args.slots, "continuous", None), (f"chunks of {chunk}", args.slots, "continuous", chunk)]
-    summaries, _ = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
+          f"{long_len}-token prompts, the rest 4-16; whole prompts, chunks of {chunk}, and disaggregated (whole "
+          f"prompts on a prefill worker)")
+    runs = [("whole prompts", args.slots, "continuous", None, False),
+            (f"chunks of {chunk}", args.slots, "continuous", chunk, False),
+            ("disaggregated", args.slots, "continuous", None, True)]
+    summaries, completions, reports = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
     print_table(summaries)
-    whole, chunked = summaries.values()
-    print(f"\nTBT P99 chunked / whole: {chunked['TBT P50/P99 (ms)'][1] / whole['TBT P50/P99 (ms)'][1]:.2f}; "
-          f"tokens/s chunked / whole: {chunked['tokens/s'] / whole['tokens/s']:.2f}")
+    whole, chunked, disaggregated = summaries.values()
+    print(f"\n{'against whole prompts':24}{'chunked':>18}{'disaggregated':>18}")
+    for row, figure in [("TBT P99", lambda summary: summary["TBT P50/P99 (ms)"][1]),
+                        ("TTFT P99", lambda summary: summary["TTFT P50/P99 (s)"][1]),
+                        ("tokens/s", lambda summary: summary["tokens/s"])]:
+        print(f"{row:24}" + "".join(f"{figure(summary) / figure(whole):>17.2f}x" for summary in (chunked, disaggregated)))
+    return [(name, args.slots, completions[name], summaries[name], [(report.step, report.step_s) for report in reports[name]])
+            for name, *_ in runs]
 
 
 def time_decode_step(model, n_slots, max_len, position, repeats=5):
@@ -1036,13 +1243,15 @@ def verify(args):
                         arrival=rng.randint(1, 40) if i % 3 == 2 else 0) for i in range(n_requests)]
     try:  # bad input is refused before anything is printed
         check_arguments(model, requests, args.slots, args.max_len or model.config.block_size, None, args.policy,
-                        prefill_chunk=args.prefill_chunk)
+                        prefill_chunk=args.prefill_chunk, disaggregate=args.disaggregate)
     except ValueError as e:
         fail(e)
+    prompts_go = f"prompt chunks of {args.prefill_chunk}" if args.prefill_chunk else "whole prompts"
+    if args.disaggregate:
+        prompts_go += f" on a prefill worker: {placement(args.device)}"
     print(f"verify: {n_requests} greedy requests (prompts of {'-'.join(map(str, prompt_lens))} random tokens, "
           f"answers of {'-'.join(map(str, answer_lens))}, {sum(r.arrival > 0 for r in requests)} arriving late) "
-          f"through generate ({args.slots} slots, {args.policy}, "
-          f"{f'prompt chunks of {args.prefill_chunk}' if args.prefill_chunk else 'whole prompts'}) and "
+          f"through generate ({args.slots} slots, {args.policy}, {prompts_go}) and "
           f"generate_sequential; GPT-2 {model.config.n_layer} layers "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M, {args.device}, {args.dtype}")
     print(f"rule: at an answer's first differing token, both forwards' logits are compared with a float64 "
@@ -1066,7 +1275,7 @@ def verify(args):
 
     start = time.perf_counter()
     batched = generate(model, requests, n_slots=args.slots, max_len=args.max_len, eos_id=None, policy=args.policy,
-                       prefill_chunk=args.prefill_chunk, on_step=on_step)
+                       prefill_chunk=args.prefill_chunk, on_step=on_step, disaggregate=args.disaggregate)
     batched_s = time.perf_counter() - start
     # 4) Each answer, identical or judged at its first differing token. The reference's logits
     #    there come again from the forward it ran (plain, in the run's dtype, on the same prefix),
@@ -1097,6 +1306,7 @@ def verify(args):
           f" (generate_sequential {reference_s:.1f} s, generate {batched_s:.1f} s)")
     sys.exit(1 if counts["BUG"] else 0)
 
+
 def positive(number_type):
     """An argparse type: a number_type (int or float) above 0. For the numbers the command line
     builds work from itself (16 requests per slot, one arrival every 1 / rate steps): generate
@@ -1121,15 +1331,15 @@ def usable_device(text):
     return device
 
 
-def write_svg(path, panels):
+def write_svg(path, groups):
     try:
-        Path(path).write_text(belt_svg(panels))
+        Path(path).write_text(belt_svg(*groups))
     except OSError as e:  # no such folder, no permission
         fail(f"--svg: {e}")
     print(f"\nthe belt, a panel per run: {path} (open it in a browser)")
 
 
-SERVING = {"slots", "max_len", "prefill_chunk", "seed", "device", "dtype", "svg"}
+SERVING = {"slots", "max_len", "prefill_chunk", "disaggregate", "seed", "device", "dtype", "svg"}
 MODES = {  # --MODE: the function that runs it (it returns the panels for --svg), the options it takes
     "demo": (demo, SERVING | {"quick", "weights", "temperature", "top_k", "quiet"}),
     "prompt": (prompt_mode, SERVING | {"weights", "max_new_tokens", "temperature", "top_k", "policy", "quiet"}),
@@ -1138,7 +1348,7 @@ MODES = {  # --MODE: the function that runs it (it returns the panels for --svg)
 }
 DEFAULTS = dict(slots=8, max_len=None, prefill_chunk=None, seed=0, temperature=0.0, top_k=None, max_new_tokens=64,
                 policy="continuous", requests=None, arrival_rate=None, weights=None, quick=False, device=None,
-                dtype="float32", quiet=False, svg=None)
+                dtype="float32", quiet=False, svg=None, disaggregate=False)
 
 
 def main(argv=None):
@@ -1159,6 +1369,8 @@ def main(argv=None):
     work.add_argument("--max-len", type=int, metavar="N", help="positions per slot (the model's, 1024)")
     work.add_argument("--prefill-chunk", type=int, metavar="N", help="at most N prompt tokens a step "
                       f"(--demo: {DEMO_PREFILL_CHUNK}; else no limit)")
+    work.add_argument("--disaggregate", action="store_true", help="continuous batching prefills every prompt on a "
+                      "worker of its own: half the CPU's threads, or a second GPU (static batching cannot)")
     work.add_argument("--seed", type=int, help="request i samples with seed + i; --bench: its workload (0)")
     work.add_argument("--temperature", type=float, metavar="T", help="--demo, --prompt: 0 is greedy (0)")
     work.add_argument("--top-k", type=int, metavar="K", help="--demo, --prompt: sample among the K likeliest")
@@ -1176,7 +1388,8 @@ def main(argv=None):
     setup.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], help="(float32)")
     setup.add_argument("--quiet", action="store_true", help="--demo, --prompt: no belt, only the summary")
     setup.add_argument("--svg", metavar="FILE", help="the belt drawn into FILE, a panel per run (--bench: "
-                       "continuous and static only; sequential's 8 times as many steps would squeeze them)")
+                       "continuous and static, not sequential, whose 8 times as many steps would squeeze them; "
+                       "then the long-prompt runs with their step durations)")
     given = vars(parser.parse_args(argv))
     mode = next(name for name in MODES if name in given)  # exactly one: the parser saw to that
     run, options = MODES[mode]
@@ -1190,9 +1403,9 @@ def main(argv=None):
     args.device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = getattr(torch, args.dtype)
     try:
-        panels = run(args)
+        groups = run(args)  # the panels for --svg, in groups that each share a step scale
         if args.svg:
-            write_svg(args.svg, panels)
+            write_svg(args.svg, groups)
     except BrokenPipeError:  # the reader has gone (`| head`): stop quietly, as `yes | head` does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush must not fail
         sys.exit(141)  # 128 + SIGPIPE: how a shell reports a program that a closed pipe stopped

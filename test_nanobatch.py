@@ -18,9 +18,14 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
+import time
+import traceback
 import urllib.error
 import urllib.request
 import xml.etree.ElementTree as ET
+from collections import Counter
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -126,15 +131,18 @@ def n_active(completions, step):
     return sum(c.admit_step <= step <= c.finish_step for c in completions)
 
 
-def check_clock(requests, completions, n_slots, policy, prefill_chunk=None, reports=()):
+def check_clock(requests, completions, n_slots, policy, prefill_chunk=None, reports=(), disaggregate=False):
     """Check the schedule from admit_step, first_token_step and finish_step, and the prompt budget
-    from the step reports if given; returns how many steps had a queue."""
+    (or, disaggregated, the handovers) from the step reports if given; returns how many steps had a
+    queue."""
     n, n_queued_steps = len(requests), 0
     for i, (r, c) in enumerate(zip(requests, completions)):
         assert c.finish_step == c.first_token_step + len(c.tokens) - 1, f"request {i}: one token per step broken: {c}"
         assert c.admit_step >= r.arrival, f"request {i} admitted at step {c.admit_step}, before it arrived"
         n_prompt_steps = c.first_token_step - c.admit_step + 1  # steps its prompt took, the first token's included
-        if prefill_chunk is None:
+        if disaggregate:  # the worker takes what time it takes; its first token comes no sooner than admission
+            assert n_prompt_steps >= 1, f"request {i}: a first token before its admission: {c}"
+        elif prefill_chunk is None:
             assert n_prompt_steps == 1, f"request {i}: a whole prompt took {n_prompt_steps} steps: {c}"
         else:
             assert n_prompt_steps >= math.ceil(len(r.prompt) / prefill_chunk), f"request {i}: over budget: {c}"
@@ -144,7 +152,11 @@ def check_clock(requests, completions, n_slots, policy, prefill_chunk=None, repo
     for field in ("admit_step", "first_token_step"):  # slots, then the prompt budget, go in arrival order
         steps = [getattr(completions[i], field) for i in fcfs]
         assert steps == sorted(steps), f"{field} out of arrival order: requests {fcfs} at steps {steps}"
-    for report in reports:  # the budget is kept, and used in full while a prompt is left unfinished
+    if disaggregate:  # the loop feeds no prompt token; each first token comes from the worker, at its step
+        assert all(report.n_prompt_tokens == 0 for report in reports), "the decode loop fed prompt tokens"
+        handed_over = Counter((i, report.step) for report in reports for i in report.handed_over)
+        assert handed_over == Counter((i, c.first_token_step) for i, c in enumerate(completions)), handed_over
+    for report in reports if not disaggregate else ():  # the budget is kept, used in full while a prompt is unfinished
         budget = math.inf if prefill_chunk is None else prefill_chunk
         assert report.n_prompt_tokens <= budget, f"step {report.step}: {report.n_prompt_tokens} prompt tokens"
         assert report.n_prefilling == 0 or report.n_prompt_tokens == budget, \
@@ -376,6 +388,176 @@ def test_a_slot_is_cleaned_for_its_new_occupant(monkeypatch):
     monkeypatch.setattr(model_py.KVCache, "clear", lambda cache, slot, n_positions: None)
     dirty = generate(model, [first, companion] + later, n_slots=2, max_len=MAX_LEN, eos_id=None)
     assert first_difference(dirty[2:], reference) != "", "NaN keys left in a slot went unnoticed without wiping"
+
+
+# ---------------------------------------------------------------------------------------------
+# 1b) Disaggregated prefill: the prompts on a worker of their own, the same answers
+#
+# A second thread is in play, so a test that hangs must not hang the suite: each disaggregated run
+# goes through `ends_within`, which runs it in a thread of the test's own and joins it with a
+# timeout. A hang fails the test; the stuck thread is a daemon, so it cannot keep the suite alive.
+
+WORKER = "nanobatch prefill worker"  # the thread's name
+TIMEOUT_S = 120  # a run here takes seconds; minutes mean it hangs
+
+
+def ends_within(seconds, function, *args, **kwargs):
+    """function(*args, **kwargs), or what it raised, provided that it ends within `seconds`."""
+    outcome = {}
+
+    def call():
+        try:
+            outcome["value"] = function(*args, **kwargs)
+        except BaseException as error:  # KeyboardInterrupt and SystemExit too: raised again below
+            outcome["error"] = error
+
+    caller = threading.Thread(target=call, name="test caller", daemon=True)
+    caller.start()
+    caller.join(seconds)
+    assert not caller.is_alive(), f"{function.__name__} still running after {seconds} s: it hangs"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def worker_threads():
+    return [thread for thread in threading.enumerate() if thread.name == WORKER]
+
+
+def on_worker():
+    return threading.current_thread().name == WORKER
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 5])  # whole prompts a forward of the worker, or 5 tokens
+@pytest.mark.parametrize("n_slots", [1, 3, 16])
+def test_disaggregated_matches_sequential(gpt_on, workload, n_slots, prefill_chunk):
+    """Prefilling on a worker of its own, the keys and values copied into the slot, changes where
+    prompts are computed, never which tokens come: the reference's tokens and finish reasons, greedy
+    and sampled, every finish reason among them, late arrivals queueing behind others. The clock:
+    admission first come first served, each first token from the worker, one token a step after it."""
+    requests, eos_id, reference = workload
+    assert {c.finish_reason for c in reference} == {"eos", "length", "context"}
+    reports = []
+    got = ends_within(TIMEOUT_S, generate, gpt_on, requests, n_slots=n_slots, max_len=MAX_LEN, eos_id=eos_id,
+                      prefill_chunk=prefill_chunk, disaggregate=True, on_step=reports.append)
+    assert first_difference(got, reference) == ""
+    check_clock(requests, got, n_slots, "continuous", reports=reports, disaggregate=True)
+    if n_slots < len(requests):
+        assert any(0 < r.arrival < got[i].admit_step for i, r in enumerate(requests)), "no late request queued"
+    assert worker_threads() == [], "the prefill worker outlived generate"
+
+
+def test_disaggregated_prompts_go_to_the_worker_only(gpt, monkeypatch):
+    """Counted from the forwards the two threads really run: the loop's carry exactly the answers'
+    tokens fed back (each answer's but its last, at its positions) and no prompt token; the worker's
+    carry exactly the prompts, first come first served, at most prefill_chunk tokens a forward. The
+    keys and values cross once per prompt, its tokens times the per-token size: n_layer x (keys and
+    values) x n_embd x 8 bytes in float64. Each first token is reported with the worker's logits,
+    the plain forward's over the prompt; each side ran on its share of the CPU's threads."""
+    fed = {"loop": [], "worker": []}  # per forward: (tokens, positions, torch threads of that thread)
+    forward_packed = GPT.forward_packed
+
+    def recording(model, step, cache):
+        fed["worker" if on_worker() else "loop"].append((step.tokens.tolist(), step.positions.tolist(),
+                                                         torch.get_num_threads()))
+        return forward_packed(model, step, cache)
+
+    def serve():  # in the caller's thread: what it sees of torch's threads before and after
+        before = torch.get_num_threads()
+        completions = generate(gpt, requests, n_slots=3, max_len=MAX_LEN, eos_id=None, prefill_chunk=4,
+                               disaggregate=True, on_step=reports.append)
+        return completions, before, torch.get_num_threads()
+
+    monkeypatch.setattr(GPT, "forward_packed", recording)
+    requests, reports = random_workload(seed=3, n_requests=12), []
+    got, caller_threads, threads_after = ends_within(TIMEOUT_S, serve)
+    fcfs = sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i))
+    # 1) The worker: every prompt, whole and in order, in forwards of at most 4 tokens.
+    assert [t for tokens, _, _ in fed["worker"] for t in tokens] == [t for i in fcfs for t in requests[i].prompt]
+    assert [p for _, positions, _ in fed["worker"] for p in positions] == \
+        [p for i in fcfs for p in range(len(requests[i].prompt))]
+    assert max(len(tokens) for tokens, _, _ in fed["worker"]) == 4
+    # 2) The loop: the answers' tokens fed back, nothing else.
+    loop_tokens = Counter(t for tokens, _, _ in fed["loop"] for t in tokens)
+    loop_positions = Counter(p for _, positions, _ in fed["loop"] for p in positions)
+    assert loop_tokens == Counter(t for c in got for t in c.tokens[:-1])
+    assert loop_positions == Counter(len(r.prompt) + k for r, c in zip(requests, got) for k in range(len(c.tokens) - 1))
+    # 3) The transfer: each prompt once, its exact size.
+    per_token = TINY["n_layer"] * 2 * TINY["n_embd"] * 8
+    assert sorted(i for report in reports for i in report.handed_over) == list(range(len(requests)))
+    for report in reports:
+        assert report.kv_bytes == per_token * sum(len(requests[i].prompt) for i in report.handed_over), report.step
+    # 4) The worker's logits for each first token, reported as the loop's are.
+    for report in reports:
+        for i in report.handed_over:
+            row = report.logits[report.sampled.index(i)]
+            want = gpt(torch.tensor([requests[i].prompt]))[0, -1]
+            assert torch.allclose(row, want, rtol=0, atol=1e-10), f"request {i}: {worst(row, want)}"
+    # 5) The threads: split between the sides while it ran, the caller's setting back after.
+    worker_share, loop_share = nanobatch.split_threads(caller_threads)
+    assert {n for _, _, n in fed["worker"]} == {worker_share} and {n for _, _, n in fed["loop"]} == {loop_share}
+    assert threads_after == caller_threads
+
+
+def test_a_worker_failure_is_raised_not_hung(gpt, monkeypatch):
+    """The worker fails on its third forward: generate raises that very error, its traceback through
+    the worker's own frames, and leaves no thread behind and the thread setting as it was."""
+    forward_packed, n_worker_forwards = GPT.forward_packed, [0]
+
+    def failing(model, step, cache):
+        if on_worker():
+            n_worker_forwards[0] += 1
+            if n_worker_forwards[0] == 3:
+                raise RuntimeError("the prefill machine caught fire")
+        return forward_packed(model, step, cache)
+
+    def serve():
+        before = torch.get_num_threads()
+        try:
+            generate(gpt, random_workload(seed=1), n_slots=3, max_len=MAX_LEN, eos_id=None, disaggregate=True)
+        finally:
+            assert torch.get_num_threads() == before, "the caller's thread setting was not given back"
+
+    monkeypatch.setattr(GPT, "forward_packed", failing)
+    with pytest.raises(RuntimeError, match="caught fire") as error:
+        ends_within(TIMEOUT_S, serve)
+    frames = [frame.name for frame in traceback.extract_tb(error.value.__traceback__)]
+    assert "prefill" in frames and "failing" in frames, frames
+    assert worker_threads() == []
+
+
+@pytest.mark.parametrize("end", ["normal", "error", "Ctrl-C"])
+def test_no_thread_outlives_generate(gpt, monkeypatch, end):
+    """However generate ends (all served, an error in the caller's on_step, Ctrl-C while prompts are
+    still queued for the worker), the worker is joined and the caller's thread setting is back. The
+    worker is slowed down, so that prompts do queue for it."""
+    raised, with_worker_when_stopped = {"error": ValueError, "Ctrl-C": KeyboardInterrupt}.get(end), []
+    forward_packed = GPT.forward_packed
+
+    def slow_worker(model, step, cache):
+        if on_worker():
+            time.sleep(0.02)
+        return forward_packed(model, step, cache)
+
+    def on_step(report):
+        if raised and report.step == 2:
+            with_worker_when_stopped.append(report.n_prefilling)
+            raise raised("stopped from on_step")
+
+    def serve():
+        before = torch.get_num_threads()
+        try:
+            generate(gpt, requests, n_slots=8, max_len=MAX_LEN, eos_id=None, disaggregate=True, on_step=on_step)
+        finally:
+            assert torch.get_num_threads() == before, "the caller's thread setting was not given back"
+
+    monkeypatch.setattr(GPT, "forward_packed", slow_worker)
+    requests = [Request([1] * 20, 4) for _ in range(12)]  # all at once: prompts queue for the worker
+    with pytest.raises(raised) if raised else nullcontext():
+        ends_within(TIMEOUT_S, serve)
+    assert worker_threads() == [], "the prefill worker outlived generate"
+    if raised:  # the worker holds one prompt at a time: the others were still in its inbox
+        assert with_worker_when_stopped[0] >= 2, with_worker_when_stopped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -796,6 +978,8 @@ BAD_INPUTS = [  # (what is wrong, fields of the second Request, generate's argum
     ("unknown policy", {}, dict(policy="fifo"), r"policy"),
     ("policy in a list", {}, dict(policy=["continuous"]), r"policy"),
     ("no policy", {}, dict(policy=None), r"policy"),
+    ("disaggregate with static", {}, dict(policy="static", disaggregate=True), r"disaggregate=True needs"),
+    ("disaggregate 1", {}, dict(disaggregate=1), r"disaggregate must be True or False"),
 ]
 
 
@@ -810,7 +994,7 @@ def test_bad_input_is_refused(gpt, fields, arguments, name):
     with pytest.raises(ValueError, match=name):
         generate(gpt, requests, on_step=steps.append, **arguments)
     assert steps == [], "it failed halfway, after serving steps"
-    if not {"n_slots", "policy"} & arguments.keys():  # the reference refuses the same requests
+    if not {"n_slots", "policy", "disaggregate"} & arguments.keys():  # the reference refuses the same requests
         with pytest.raises(ValueError, match=name):
             generate_sequential(gpt, requests, **arguments)
 
@@ -944,10 +1128,11 @@ def test_a_long_bad_prompt_gives_a_short_message(gpt):
 # 6) The figures, on a schedule small enough to check by hand
 
 
-def step(belt, n_running, n_prefilling, n_waiting, step_s):
+def step(belt, n_running, n_prefilling, n_waiting, step_s, handed_over=(), kv_bytes=0, kv_s=0.0):
     """A stand-in for a StepReport: what summarize reads. The model's share of a step is 4/5 of it."""
     return SimpleNamespace(belt=belt, n_running=n_running, n_prefilling=n_prefilling, n_waiting=n_waiting,
-                           step_s=step_s, model_s=0.8 * step_s)
+                           step_s=step_s, model_s=0.8 * step_s, handed_over=list(handed_over), kv_bytes=kv_bytes,
+                           kv_s=kv_s)
 
 
 def served(slot, admit_step, first_token_step, finish_step, token_times_s):
@@ -998,9 +1183,20 @@ def test_summarize_by_hand():
         "TBT P50/P99 (ms)": (250, 500),  # the gaps: A 250; B 250, 500, 250; C 500
         "slowest step (ms)": 500,
         "time outside the model": 0.44,  # 1 - 1.4 / 2.5: the model took 4/5 of the steps' 1.75 s
+        "KV moved (MB / ms)": None,  # not disaggregated: no prefill worker, nothing handed over
     }
     for name, value in want.items():
         assert figures[name] == pytest.approx(value), f"{name}: got {figures[name]}, want {value}"
+
+
+def test_summarize_kv_moved_by_hand():
+    """Disaggregated, the same schedule with A's and B's prompts handed over by the worker in step
+    0 (1.5 MB in 2 ms) and C's in step 2 (0.25 MB in 0.5 ms): 1.75 MB in 2.5 ms in all."""
+    handed = [SimpleNamespace(**{**vars(report), **changes}) for report, changes in zip(SCHEDULE, [
+        dict(handed_over=[0, 1], kv_bytes=1_500_000, kv_s=0.002), {}, dict(handed_over=[2], kv_bytes=250_000, kv_s=0.0005),
+        {}, {}])]
+    megabytes, milliseconds = nanobatch.summarize(ARRIVALS, SERVED, handed, wall_s=2.5)["KV moved (MB / ms)"]
+    assert (megabytes, milliseconds) == (pytest.approx(1.75), pytest.approx(2.5))
 
 
 def test_summarize_a_run_cut_short():
@@ -1032,7 +1228,7 @@ def headline(n_steps):
 # Six requests on a belt of 3 slots, the last unfinished (None): B and D spend steps prefilling only.
 CONTINUOUS = [stay(0, 0, 0, 4), stay(1, 0, 2, 9), stay(2, 0, 0, 2), stay(2, 3, 5, 7), stay(0, 5, 5, 6), None]
 STATIC = [stay(0, 0, 0, 4), stay(1, 0, 2, 9), stay(2, 0, 0, 2), stay(0, 10, 12, 14), stay(1, 10, 10, 11), None]
-BELTS = [("continuous", 3, CONTINUOUS, headline(10)), ("static", 3, STATIC, headline(15))]
+BELTS = [("continuous", 3, CONTINUOUS, headline(10), None), ("static", 3, STATIC, headline(15), None)]
 
 
 def drawn_panels(svg):
@@ -1056,7 +1252,7 @@ def check_stays(svg, belts):
     panels = drawn_panels(svg)
     assert len(panels) == len(belts)
     assert len({step_w for step_w, _, _ in panels}) == 1, "panels on different step scales"
-    for (title, _, completions, _), (step_w, bars, prefills) in zip(belts, panels):
+    for (title, _, completions, _, _), (step_w, bars, prefills) in zip(belts, panels):
         # 1) Which: every finished request, and no other; hatched, those that spent steps prefilling.
         finished = {i for i, c in enumerate(completions) if c is not None}
         prefilling = {i for i in finished if completions[i].first_token_step > completions[i].admit_step}
@@ -1122,12 +1318,31 @@ def test_belt_svg_64_slots_300_steps():
             completions.append(stay(slot, step, step + n_prefill_steps, step + length - 1))
             step += length + rng.randrange(3)
     completions[7] = None  # one cut short
-    belts = [("continuous", 64, completions, headline(300))]
+    belts = [("continuous", 64, completions, headline(300), None)]
     svg = nanobatch.belt_svg(belts)
     check_stays(svg, belts)
     width = float(ET.fromstring(svg).get("width"))
     _, bars, _ = drawn_panels(svg)[0]
     assert max(float(bar.get("x")) + float(bar.get("width")) for bar in bars.values()) <= width
+
+
+def test_belt_svg_groups_and_step_durations():
+    """Two groups: the two belts above, then one run given its step durations. Each group has a step
+    scale of its own, its longest run spanning the width: (1200 - 44 - 16) / 15 = 76 px a step for
+    the first, (1200 - 44 - 16 - 40) / 10 = 110 for the second, which leaves 40 px for the scale of
+    its durations. The run with durations gets a bar per step reported, at that step, as tall as its
+    share of the group's longest step (40 px); the runs without get none."""
+    times = [(0, 0.1), (1, 0.4), (2, 0.2), (4, 0.05)]  # no step 3: the clock jumped over it
+    summary = {**headline(10), "TBT P50/P99 (ms)": (5.0, 123.0)}
+    svg = nanobatch.belt_svg(BELTS, [("long prompts", 3, CONTINUOUS, summary, times)])
+    assert [step_w for step_w, _, _ in drawn_panels(svg)] == [76, 76, 110]
+    panels = [group for group in ET.fromstring(svg).iter(f"{SVG}g") if group.get("class") == "panel"]
+    bars = [[r for r in panel.iter(f"{SVG}rect") if r.get("class") == "step-time"] for panel in panels]
+    assert [len(b) for b in bars] == [0, 0, 4]
+    assert [(int(r.get("data-step")), float(r.get("x")), float(r.get("height"))) for r in bars[2]] == \
+        [(0, 44, 10), (1, 154, 40), (2, 264, 20), (4, 484, 5)]
+    texts = [t.text for t in panels[2].iter(f"{SVG}text")]
+    assert "400 ms" in texts and texts[0].endswith("TBT P99 123 ms"), texts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1167,6 +1382,21 @@ def test_cli_demo_quick(tmp_path):
     assert [sorted(bars) for _, bars, _ in panels] == [list(range(32))] * 2, "not one bar per request per panel"
 
 
+def test_cli_demo_quick_disaggregated(tmp_path):
+    """--demo --disaggregate: the continuous run prefills on a worker of its own and says where it
+    runs, every request's handover is on the belt ('>X'), and static runs as before."""
+    result = run_cli(tmp_path, "--demo", "--quick", "--disaggregate", "--svg", str(tmp_path / "belt.svg"))
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]
+    out = result.stdout
+    assert "== disaggregated: 32 requests" in out and "the prefill worker on" in out and "== static" in out, out[:2000]
+    disaggregated_run = out.split("== static")[0]
+    handed = [word for line in disaggregated_run.splitlines() if line.startswith("step ") for word in line.split()
+              if word.startswith(">")]
+    assert sorted(handed) == sorted(f">{nanobatch.letter(i)}" for i in range(32)), handed
+    panels = drawn_panels((tmp_path / "belt.svg").read_text())
+    assert [sorted(bars) for _, bars, _ in panels] == [list(range(32))] * 2
+
+
 def test_cli_bench_quick(tmp_path):
     """The benchmark runs offline on the tiny model, says why its ratios are not GPT-2's, and draws
     continuous and static, one bar for each of its 128 requests."""
@@ -1174,7 +1404,8 @@ def test_cli_bench_quick(tmp_path):
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "--quick: on a model this small a step's fixed cost" in result.stdout, result.stdout[-2000:]
     panels = drawn_panels((tmp_path / "belt.svg").read_text())
-    assert [sorted(bars) for _, bars, _ in panels] == [list(range(128))] * 2, "not one bar per request per panel"
+    assert [sorted(bars) for _, bars, _ in panels] == [list(range(128))] * 2 + [list(range(64))] * 3, \
+        "not one bar per request per panel: continuous and static, then whole, chunked and disaggregated"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -1203,13 +1434,16 @@ def test_cli_refuses_what_it_cannot_do(argv, message, capsys):
     assert exit.value.code == 2 and err[-1] == f"nanobatch.py: error: {message}", err
 
 
-def test_cli_bad_input_is_one_line(capsys):
-    """Input that generate refuses (here --max-len 1) ends in one line, exit status 2, no traceback."""
+@pytest.mark.parametrize("argv, message", [
+    (["--demo", "--quick", "--max-len", "1"], "max_len must be an int in 2..1024 (the model's block_size), got 1"),
+    (["--verify", "--quick", "--policy", "static", "--disaggregate"], "disaggregate=True needs policy='continuous'"),
+])
+def test_cli_bad_input_is_one_line(argv, message, capsys):
+    """Input that generate refuses ends in one line, exit status 2, no traceback."""
     with pytest.raises(SystemExit) as exit:
-        nanobatch.main(["--demo", "--quick", "--max-len", "1"])
+        nanobatch.main(argv)
     err = capsys.readouterr().err.splitlines()
-    assert exit.value.code == 2 and err == ["nanobatch.py: error: max_len must be an int in 2..1024 (the "
-                                            "model's block_size), got 1"], err
+    assert exit.value.code == 2 and len(err) == 1 and err[0].startswith(f"nanobatch.py: error: {message}"), err
 
 
 @pytest.mark.parametrize("mode", ["--bench", "--verify", "--demo"])
@@ -1248,17 +1482,20 @@ def test_cli_closed_pipe_ends_quietly(tmp_path):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process is POSIX")
-def test_cli_ctrl_c_shows_the_figures_so_far(tmp_path):
+@pytest.mark.parametrize("disaggregated", [[], ["--disaggregate"]])
+def test_cli_ctrl_c_shows_the_figures_so_far(tmp_path, disaggregated):
     """Ctrl-C a few steps into the demo: exit status 130, and a table of the run up to there, whose
-    tokens count the requests still running and whose belt was full (the queue never emptied)."""
-    process = start_cli(tmp_path, "--demo", "--quick")
+    tokens count the requests still running and whose belt was full (the queue never emptied).
+    Disaggregated too: the prefill worker is stopped and joined on the way out."""
+    process = start_cli(tmp_path, "--demo", "--quick", *disaggregated)
     n_steps_seen = 0
     while n_steps_seen < 3:
         n_steps_seen += process.stdout.readline().startswith("step ")
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=100)
     assert process.returncode == 130, stderr[-2000:]
-    assert "interrupted after" in stdout and "continuous (cut)" in stdout, stdout[-2000:]
+    cut = "disaggregated (cut)" if disaggregated else "continuous (cut)"
+    assert "interrupted after" in stdout and cut in stdout, stdout[-2000:]
     rows = {line[:24].strip(): line[24:].split() for line in stdout.splitlines()}
     assert int(rows["generated tokens"][-1]) > 0 and int(rows["mean occupancy"][-1].rstrip("%")) >= 90, stdout
 
@@ -1266,9 +1503,11 @@ def test_cli_ctrl_c_shows_the_figures_so_far(tmp_path):
 # 9) --verify: every answer identical in float64, a broken engine named, the verdict's rule
 
 
-def test_verify_float64_every_answer_identical(tmp_path):
-    """In float64 the engine's greedy answers are the reference's, every one: exit status 0."""
-    result = run_cli(tmp_path, "--verify", "--quick", "--dtype", "float64")
+@pytest.mark.parametrize("disaggregated", [[], ["--disaggregate"]])
+def test_verify_float64_every_answer_identical(tmp_path, disaggregated):
+    """In float64 the engine's greedy answers are the reference's, every one, prefilled on the belt
+    or by the worker: exit status 0."""
+    result = run_cli(tmp_path, "--verify", "--quick", "--dtype", "float64", *disaggregated)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     answers = [line for line in result.stdout.splitlines() if line[:1].isalpha() and line[1:3] == "  "]
     assert len(answers) == 12 and all(line.split()[1] == "identical" for line in answers), result.stdout
@@ -1287,6 +1526,21 @@ def test_verify_names_a_broken_engine(monkeypatch, capsys, broken_mask):
     differing = [name for name in verdicts if name != "identical"]
     assert exit_status.value.code == 1, out
     assert differing and set(differing) == {"BUG"}, out
+
+
+def test_verify_judges_the_workers_first_token(monkeypatch, capsys):
+    """Disaggregated, a worker whose prompt sees its own future is judged on its first tokens: the
+    logits it reports for them are compared like the loop's, so answers that differ from their
+    first token on are each a BUG, and the exit status is 1."""
+    monkeypatch.setattr(nanobatch, "attention_mask", prefill_sees_the_future)
+    with pytest.raises(SystemExit) as exit_status:
+        ends_within(TIMEOUT_S, nanobatch.main, ["--verify", "--quick", "--dtype", "float64", "--device", "cpu",
+                                                "--disaggregate"])
+    out = capsys.readouterr().out
+    verdicts = [line.split()[1:6] for line in out.splitlines() if line[:1].isalpha() and line[1:3] == "  "]
+    assert exit_status.value.code == 1, out
+    assert all(words[0] in ("identical", "BUG") for words in verdicts), out
+    assert ["BUG", "first", "differs", "at", "token"] in verdicts and "first differs at token 0:" in out, out
 
 
 def test_verify_refuses_sampling(capsys):
@@ -1334,6 +1588,21 @@ def test_verdict_bug_at_a_near_tie():
     name, figures = verdict(batched, sequential, exact)
     assert figures["reference margin"] < figures["|batched - reference|"], figures
     assert name == "BUG", figures
+
+
+@pytest.mark.parametrize("batched_error, side, expected", [(3.9e-3, -1, "rounding"), (4.1e-3, +1, "BUG")])
+def test_verdict_threshold_is_4x_the_reference_error_against_float64(batched_error, side, expected):
+    """The rule as the README states it, pinned at its edge: the reference is 1e-3 off float64, so
+    the engine may be up to 4e-3 off. 3.9e-3 off on the other side of float64 is rounding, though it
+    lies 4.9e-3 from the reference's row; 4.1e-3 off on the same side is a BUG, though it lies only
+    3.1e-3 from the reference's row. A rule that compared the two rows with each other, or took
+    another factor, gets one of the two wrong."""
+    exact = logits(1.0, 0.5, 0.0, -1.0, dtype=torch.float64)
+    sequential = logits(1.001, 0.5, 0.0, -1.0)
+    batched = logits(1.0 + side * batched_error, 0.5, 0.0, -1.0)
+    name, figures = verdict(batched, sequential, exact)
+    assert figures["reference error"] == pytest.approx(1e-3, rel=1e-3), figures
+    assert name == expected, figures
 
 
 @pytest.mark.parametrize("offset, expected", [(4e-16, "rounding"), (1e-9, "BUG"), (math.nan, "BUG")])
