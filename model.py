@@ -14,6 +14,7 @@ packed side by side, no padding between them. It writes their keys and values in
 position) and attends under masks that nanobatch.py builds: the caller owns the slots.
 """
 import json
+import math
 import os
 import struct
 import sys
@@ -44,16 +45,40 @@ class PackedStep:
     between them (the only filler rows are those a static batch asks for on purpose).
 
     Rows [0, D) hold one token each, every one in a slot of its own (a decoding request's newest
-    token, or a prompt chunk of a single token). The other rows come in chunks: consecutive tokens
-    of one prompt, in one slot, at consecutive positions.
+    token, or a prompt chunk of a single token), and attend together. The other rows come in
+    chunks, each attending over its own slot alone: consecutive tokens of one prompt at consecutive
+    positions, or the one token of a slot longer than the step's cut (attention_cut).
     """
     tokens: torch.Tensor  # (M,) token ids
     positions: torch.Tensor  # (M,) each token's position in its slot
     slots: torch.Tensor  # (M,) each token's slot
     n_one_token: int  # D: rows [0, D) are one-token rows
-    one_token_mask: torch.Tensor  # (S, 1, L) bool: slot s's one-token query may see position l
+    one_token_mask: torch.Tensor  # (S, 1, L) bool: slot s's one-token query may see position l; L, the cut
     chunks: list  # (rows, slot, mask): a slice of rows, their slot, (T, L) bool mask over that slot
     logit_rows: torch.Tensor  # (R,) rows whose next-token logits are wanted
+
+
+# What one more attention call costs, in keys it could read instead (a key: one position's keys and
+# values, every head). Measured on a 2-core CPU, GPT-2 124M in float32: a call alone over its own
+# slot costs about what 150 more keys in the belt's shared call do. On a GPU, an estimate, not yet
+# measured: the host spends some 30 us launching a call, in which an H200 (4.8 TB/s) reads some
+# 20,000 keys of 6 KB. A wider model's keys cost more, so fewer of them.
+CALL_COST_IN_KEYS = {"cpu": 150, "gpu": 20_000}
+
+
+def attention_cut(lengths, n_slots, device):
+    """Which one-token rows of a step attend together, from their lengths (position + 1): those no
+    longer than the cut, in one call over every slot's first `cut` positions; each longer one in a
+    call of its own, over its own slot. One call for all pads every slot to the longest, so that one
+    long request makes every slot pay its length; a call per slot pays a call's cost each. The cut
+    that costs least sits between: n_slots * cut keys, plus each longer row's own, plus its call."""
+    call_cost = CALL_COST_IN_KEYS["cpu" if device.type == "cpu" else "gpu"]
+    lengths, best = sorted(lengths), (math.inf, 1)  # (cost, cut); no row at all: a cut of 1
+    keys_above = sum(lengths)  # of the rows longer than the cut
+    for i, cut in enumerate(lengths):
+        keys_above -= cut
+        best = min(best, (n_slots * cut + keys_above + (len(lengths) - 1 - i) * call_cost, cut))
+    return best[1]
 
 
 class CausalSelfAttention(nn.Module):
@@ -88,9 +113,9 @@ class CausalSelfAttention(nn.Module):
         v_cache[step.slots, step.positions] = v
         y = torch.empty_like(q)  # (M, nh, hs)
         # One-token rows, in one call over the whole belt: row s is slot s's query, and the cache is
-        # read as a view of its first L positions. A slot with no one-token row this step gets a
-        # dummy query whose output is dropped. Gathering just the D slots' keys instead copies them
-        # and measured slower than this whole attention (GPT-2 124M, 8 slots, CPU).
+        # read as a view of its first L positions, L the step's cut. A slot with no row here gets
+        # a dummy query whose output is dropped. Gathering just the D slots' keys instead copies
+        # them and measured slower than this whole attention (GPT-2 124M, 8 slots, CPU).
         D = step.n_one_token
         if D:
             S, L = step.one_token_mask.size(0), step.one_token_mask.size(-1)
@@ -102,15 +127,15 @@ class CausalSelfAttention(nn.Module):
                 attn_mask=step.one_token_mask[:, None],  # (S, 1, 1, L): the same mask for every head
             )  # (S, nh, 1, hs)
             y[:D] = out[one_token_slots, :, 0]
-        # Prompt chunks, one call each: T queries over the first L positions of their own slot,
-        # read as a view. Prompts never pad to each other's length.
+        # Chunks, one call each: T queries over the first L positions of their own slot, read as a
+        # view: a prompt chunk, or the one token of a slot past the cut. None pads to another's length.
         for rows, slot, mask in step.chunks:
             L = mask.size(-1)
             out = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1), k_cache[slot, :L].transpose(0, 1), v_cache[slot, :L].transpose(0, 1),
-                attn_mask=mask,  # (T, L)
-            )  # (nh, T, hs)
-            y[rows] = out.transpose(0, 1)
+                q[rows].transpose(0, 1)[None], k_cache[slot:slot + 1, :L].transpose(1, 2),  # (1, nh, T, hs),
+                v_cache[slot:slot + 1, :L].transpose(1, 2), attn_mask=mask[None, None],  # (1, nh, L, hs) each
+            )  # (1, nh, T, hs)
+            y[rows] = out[0].transpose(0, 1)
         return y.view(M, C)
 
 

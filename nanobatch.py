@@ -31,6 +31,7 @@ import numbers
 import os
 import random
 import reprlib
+import statistics
 import string
 import queue
 import sys
@@ -45,7 +46,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 import torch
 
-from model import GPT, GPTConfig, PackedStep, default_cache_dir
+from model import GPT, GPTConfig, PackedStep, attention_cut, default_cache_dir
 
 POLICIES = ("continuous", "static")
 EOT = 50256  # <|endoftext|>: GPT-2 ends a text with it
@@ -140,15 +141,20 @@ def attention_mask(positions, L):
 
     Each row reads one slot only, so requests never see each other; within a slot this one rule
     is causal attention over exactly the slot's own prefix. What lies beyond (keys left by the
-    slot's previous occupant, 'x' below) is never seen. A step that mixes decoding and a prompt
-    chunk, 1 = visible:
+    slot's previous occupant, 'x' below) is never seen. A step with three decoding slots and a
+    prompt chunk, 1 = visible. The one-token rows attend together over every slot's first L
+    positions, L the step's cut (attention_cut; 3 here), and slot 1, longer, attends alone over
+    its own slot, as a chunk does:
 
-      one-token rows, B = S = 4, T = 1               a chunk in slot 2, B = 1, T = 3: the
-      cache position   0 1 2 3 4 5                   prompt's positions 3..5 (0..2 came in
-      slot 0, pos 2    1 1 1 0 0 0   (3.. hold x)    the previous step's chunk)
-      slot 1, pos 5    1 1 1 1 1 1                   cache position   0 1 2 3 4 5
-      slot 2, no row   1 0 0 0 0 0   dropped                pos 3    1 1 1 1 0 0
-      slot 3, pos 0    1 0 0 0 0 0   (1.. hold x)           pos 4    1 1 1 1 1 0
+      one-token rows, B = S = 4, T = 1, L = 3        slot 1 alone, B = 1, T = 1: its position 5
+      cache position   0 1 2                         cache position   0 1 2 3 4 5
+      slot 0, pos 2    1 1 1                                pos 5    1 1 1 1 1 1
+      slot 1, alone    1 0 0   dropped
+      slot 2, no row   1 0 0   dropped               a chunk in slot 2, B = 1, T = 3: the prompt's
+      slot 3, pos 0    1 0 0   (1.. hold x)          positions 3..5 (0..2 came in an earlier step)
+                                                     cache position   0 1 2 3 4 5
+                                                            pos 3    1 1 1 1 0 0
+                                                            pos 4    1 1 1 1 1 0
                                                             pos 5    1 1 1 1 1 1
     """
     key_positions = torch.arange(L, device=positions.device)  # (L,)
@@ -160,11 +166,16 @@ def pack_step(work, padding_slots, n_slots, device):
 
     work: [(run, the token ids it feeds)]. padding_slots: slots that feed a token nobody reads, and
     get logits nobody samples from (static batching's finished rows). One-token rows come first, one
-    per slot; then the chunks. The logits rows of the runs to sample come first, then padding's.
+    per slot, those no longer than the step's cut; then the rows that attend over their own slot
+    alone: the one-token rows past the cut, and the prompt chunks. The logits rows of the runs to
+    sample come first, then padding's.
     """
     one_token = [(run, run.slot, run.n_cached, ids) for run, ids in work if len(ids) == 1]
     one_token += [(None, slot, 0, [0]) for slot in padding_slots]  # token 0 at position 0
-    chunks = [(run, run.slot, run.n_cached, ids) for run, ids in work if len(ids) > 1]
+    cut = attention_cut([position + 1 for _, _, position, _ in one_token], n_slots, device)  # model.py
+    chunks = [row for row in one_token if row[2] + 1 > cut]  # alone over their slot: chunks of one
+    chunks += [(run, run.slot, run.n_cached, ids) for run, ids in work if len(ids) > 1]
+    one_token = [row for row in one_token if row[2] + 1 <= cut]
     tokens, positions, slots, logit_rows, padding_rows, to_sample = [], [], [], [], [], []
     for run, slot, first_position, ids in one_token + chunks:
         tokens += ids
@@ -1116,8 +1127,8 @@ def bench(args):
               "fairly, seconds do not. Without --quick: GPT-2 124M.")
     long_prompt_panels = long_prompts(model, args)
     if model.config.block_size >= 1024:
-        short, long = (time_decode_step(model, args.slots, max_len, position=100, repeats=10)
-                       for max_len in (128, 1024))
+        attention_table(model)
+        short, long = (time_decode_step(model, [100] * args.slots, max_len, repeats=10) for max_len in (128, 1024))
         print(f"decode step at position 100: {1e3 * short:.1f} ms with max_len=128, "
               f"{1e3 * long:.1f} ms with max_len=1024 ({long / short:.2f}x)")
     max_len = args.max_len or model.config.block_size
@@ -1167,21 +1178,41 @@ def long_prompts(model, args):
             for name, *_ in runs]
 
 
-def time_decode_step(model, n_slots, max_len, position, repeats=5):
-    """Seconds for one forward of n_slots decoding requests, all at `position`, in a max_len cache."""
-    device = model.lm_head.weight.device
+def time_decode_step(model, positions, max_len, repeats=5):
+    """Seconds for one forward of a belt in which every slot decodes, slot s at positions[s], in a
+    max_len cache: the median of `repeats` forwards, after one to warm up."""
+    device, n_slots = model.lm_head.weight.device, len(positions)
     cache = model.new_cache(n_slots, max_len)
     runs = [Running(slot, Request([0] * position, 2), slot, None, admit_step=0, n_cached=position, tokens=[0])
-            for slot in range(n_slots)]  # each about to feed its first answer token at `position`
+            for slot, position in enumerate(positions)]  # each about to feed its first answer token
     packed, _ = pack_step([(run, [0]) for run in runs], [], n_slots, device)
+    seconds = []
     with torch.no_grad():
-        model.forward_packed(packed, cache)  # warm-up
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(repeats):
+        for _ in range(1 + repeats):
+            start = time.perf_counter()
             model.forward_packed(packed, cache)
-        synchronize(device)
-    return (time.perf_counter() - start) / repeats
+            synchronize(device)
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:])
+
+
+def attention_table(model):
+    """How a step's cost grows with the belt and its lengths: decode steps of 8 to 64 slots, every
+    slot short; one long among short ones; lengths spread from 50 to 1000, against every slot at
+    their mean (the same keys in all). Attention reads what the slots hold: one long slot costs
+    about its own length, not every slot's padding to it."""
+    def spread(n):
+        return [50 + 950 * slot // (n - 1) for slot in range(n)]
+
+    belts = {"all short (48)": lambda n: [48] * n, "one long (940)": lambda n: [940] + [48] * (n - 1),
+             "spread 50-1000": spread, "at their mean": lambda n: [round(sum(spread(n)) / n)] * n}
+    print("\ndecode steps (ms, the median of 5), every slot decoding, its length in keys")
+    print(f"{'':10}" + "".join(f"{name:>16}" for name in belts) + f"{'long / short':>14}{'spread / mean':>15}")
+    for n_slots in (8, 16, 32, 64):
+        ms = [1e3 * time_decode_step(model, [length - 1 for length in lengths(n_slots)], max_len=1024)
+              for lengths in belts.values()]
+        print(f"{f'{n_slots} slots':10}" + "".join(f"{t:>16.1f}" for t in ms) +
+              f"{ms[1] / ms[0]:>13.2f}x{ms[2] / ms[3]:>14.2f}x", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------

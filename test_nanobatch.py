@@ -202,13 +202,31 @@ def workload(request, gpt_on):
     return requests, eos_id, generate_sequential(gpt_on, requests, max_len=MAX_LEN, eos_id=eos_id)
 
 
+def split_attention_everywhere(monkeypatch):
+    """Attention calls made free, so that a step's one-token rows split at a cut (some together,
+    some each alone over its own slot) wherever their lengths differ, even in these tiny models
+    (where the real cost of a call keeps them together) -> the cuts chosen, as (cut, longest) pairs."""
+    cuts, attention_cut = [], nanobatch.attention_cut
+
+    def recording(lengths, n_slots, device):
+        cuts.append((attention_cut(lengths, n_slots, device), max(lengths, default=0)))
+        return cuts[-1][0]
+
+    monkeypatch.setattr(model_py, "CALL_COST_IN_KEYS", {"cpu": 0, "gpu": 0})
+    monkeypatch.setattr(nanobatch, "attention_cut", recording)
+    return cuts
+
+
+@pytest.mark.parametrize("cut", ["by cost", "split"])  # one-token rows split at a cut only when it pays, or wherever
 @pytest.mark.parametrize("prefill_chunk", [None, 1, 5])  # whole prompts, a token a step, a few
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("n_slots", [1, 3, 16])  # one slot, a few, more slots than requests
-def test_generate_matches_sequential(gpt_on, workload, n_slots, policy, prefill_chunk):
+def test_generate_matches_sequential(gpt_on, workload, n_slots, policy, prefill_chunk, cut, monkeypatch):
     """The heart of it: batching must change when tokens are computed, never which. Same tokens,
     same finish reasons as one request at a time through the plain forward, greedy and sampled,
-    whole prompts or prompts cut into chunks that ride along with other slots' decoding."""
+    whole prompts or prompts cut into chunks that ride along with other slots' decoding, decoding
+    rows attending together or, past the step's cut, alone."""
+    cuts = split_attention_everywhere(monkeypatch) if cut == "split" else None
     requests, eos_id, reference = workload
     reasons = {c.finish_reason for c in reference}
     assert reasons == {"eos", "length", "context"}, f"the workload must end answers every way, got {reasons}"
@@ -226,6 +244,8 @@ def test_generate_matches_sequential(gpt_on, workload, n_slots, policy, prefill_
         assert queued_behind, "no late request had to queue behind others: the workload lacks teeth"
     if n_slots == 1 and prefill_chunk is None:  # one slot is the sequential reference's own clock
         assert [(c.admit_step, c.finish_step) for c in got] == [(c.admit_step, c.finish_step) for c in reference]
+    if cuts is not None and n_slots > 1:
+        assert any(cut < longest for cut, longest in cuts), "no step split its one-token rows"
 
 
 @pytest.mark.parametrize("prefill_chunk", [None, 3])
@@ -288,8 +308,9 @@ def test_rows_computed_per_step(gpt, monkeypatch, policy):
     rows = []  # per step: (one-token rows, logits rows)
     forward_packed = GPT.forward_packed
 
-    def counting(model, step, cache):
-        rows.append((step.n_one_token, step.logit_rows.numel()))
+    def counting(model, step, cache):  # one-token rows attend together, or alone past the step's cut
+        alone = sum(rows.stop - rows.start == 1 for rows, _, _ in step.chunks)
+        rows.append((step.n_one_token + alone, step.logit_rows.numel()))
         return forward_packed(model, step, cache)
 
     monkeypatch.setattr(GPT, "forward_packed", counting)
@@ -632,18 +653,41 @@ def test_sampling_frequencies_follow_softmax(temperature, top_k):
 # 3) The cached forward computes the plain forward's logits
 
 
+def test_attention_cut_by_hand():
+    """The cut that reads the fewest keys, a call counted as 150 keys on a CPU and 20,000 on a GPU,
+    worked out by hand; then against every possible cut, tried one by one."""
+    cpu, gpu = torch.device("cpu"), torch.device("meta")  # any device but a CPU counts as a GPU
+    one_long = [48] * 7 + [940]  # cut 48: 8 x 48 + 940 + 150 = 1474 keys; cut 940: 8 x 940 = 7520
+    assert model_py.attention_cut(one_long, 8, cpu) == 48
+    assert model_py.attention_cut([48] * 63 + [940], 64, gpu) == 48  # 3072 + 940 + 20000 < 64 x 940
+    spread = [50, 186, 321, 457, 593, 729, 864, 1000]  # cut 50: 400 + 4150 + 7 x 150 = 5600, the least
+    assert model_py.attention_cut(spread, 8, cpu) == 50
+    assert model_py.attention_cut(spread, 8, gpu) == 1000  # on a GPU, a call is worth more than them all
+    assert model_py.attention_cut([5, 5, 5], 4, cpu) == 5 and model_py.attention_cut([], 4, cpu) == 1
+    rng = random.Random(13)
+    for _ in range(200):
+        lengths, n_slots = [rng.randint(1, 1000) for _ in range(rng.randint(1, 16))], rng.randint(16, 64)
+        def keys(cut):
+            return n_slots * cut + sum(length + 150 for length in lengths if length > cut)
+        assert keys(model_py.attention_cut(lengths, n_slots, cpu)) == min(keys(cut) for cut in lengths), lengths
+
+
+@pytest.mark.parametrize("cut", ["by cost", "split"])
 @pytest.mark.parametrize("stale", ["previous sequences", "NaN"])
 @pytest.mark.parametrize("device, dtype, atol", [
     ("cpu", torch.float32, 1e-5), ("cpu", torch.float64, 1e-10), pytest.param("cuda", torch.float32, 1e-5, marks=CUDA)])
-def test_packed_forward_matches_forward(device, dtype, atol, stale):
+def test_packed_forward_matches_forward(device, dtype, atol, stale, cut, monkeypatch):
     """Three sequences in three of five slots, fed as the engine feeds them: prompts in chunks of
     1-3 tokens, packed into the same forward as other slots' decode tokens, then one token at a time.
     Every row that is due a token must get the plain forward's logits over its own sequence. The
     slots are dirty first, either holding other sequences' keys, which the mask alone must hide, or
     NaN in every position, which the mask cannot hide (0 * NaN is NaN): cache.clear, as nanobatch
     calls it when a request leaves a slot, must leave nothing of it. The two idle slots keep their
-    NaN: their dropped rows must not leak into anyone's logits."""
-    model, rng = tiny_gpt(device, dtype), random.Random(6)
+    NaN: their dropped rows must not leak into anyone's logits. Split: in some steps, short slots'
+    one-token rows attend together while a longer slot's attends alone, past the cut."""
+    if cut == "split":
+        split_attention_everywhere(monkeypatch)
+    model, rng, n_split_steps = tiny_gpt(device, dtype), random.Random(6), 0
     n_slots, max_len = 5, 24
     cache, device = model.new_cache(n_slots, max_len), torch.device(device)
 
@@ -660,9 +704,9 @@ def test_packed_forward_matches_forward(device, dtype, atol, stale):
             old = [running(slot, random_prompt(rng, max_len)) for slot in range(n_slots)]
             model.forward_packed(nanobatch.pack_step([(run, run.request.prompt) for run in old], [], n_slots,
                                                      device)[0], cache)
-        # 1) Prompts of 7, 2 and 5 tokens into slots 3, 0, 4, fed in random chunks; once a prompt is
+        # 1) Prompts of 12, 2 and 5 tokens into slots 3, 0, 4, fed in random chunks; once a prompt is
         #    in, a random token is appended each step, as if sampled, and fed alone.
-        runs = [running(slot, random_prompt(rng, n)) for slot, n in [(3, 7), (0, 2), (4, 5)]]
+        runs = [running(slot, random_prompt(rng, n)) for slot, n in [(3, 12), (0, 2), (4, 5)]]
         n_checked = 0
         for step in range(12):
             work = []
@@ -675,6 +719,8 @@ def test_packed_forward_matches_forward(device, dtype, atol, stale):
                     n = min(rng.randint(1, 3), len(sequence) - run.n_cached)
                     work.append((run, sequence[run.n_cached:run.n_cached + n]))
             packed, due = nanobatch.pack_step(work, [], n_slots, device)
+            n_alone = sum(rows.stop - rows.start == 1 for rows, _, _ in packed.chunks)
+            n_split_steps += packed.n_one_token > 0 and n_alone > 0  # one-token rows on both sides of the cut
             got = model.forward_packed(packed, cache)  # (R, V)
             for row, run in zip(got, due):
                 sequence = run.request.prompt + run.tokens
@@ -685,6 +731,7 @@ def test_packed_forward_matches_forward(device, dtype, atol, stale):
             for run, ids in work:
                 run.n_cached += len(ids)
         assert n_checked > 25, f"only {n_checked} rows were due a token: the feeding lost its teeth"
+        assert n_split_steps >= 3 if cut == "split" else n_split_steps == 0, f"{n_split_steps} steps split"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1403,6 +1450,8 @@ def test_cli_bench_quick(tmp_path):
     result = run_cli(tmp_path, "--bench", "--quick", "--svg", str(tmp_path / "belt.svg"))
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "--quick: on a model this small a step's fixed cost" in result.stdout, result.stdout[-2000:]
+    steps = [line.split() for line in result.stdout.splitlines() if line.split()[1:2] == ["slots"]]
+    assert [row[0] for row in steps] == ["8", "16", "32", "64"] and all(len(row) == 8 for row in steps), steps
     panels = drawn_panels((tmp_path / "belt.svg").read_text())
     assert [sorted(bars) for _, bars, _ in panels] == [list(range(128))] * 2 + [list(range(64))] * 3, \
         "not one bar per request per panel: continuous and static, then whole, chunked and disaggregated"
