@@ -349,7 +349,7 @@ class PrefillWorker:
             if device.type == "cpu":
                 torch.set_num_threads(n_threads)
             stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-            with torch.no_grad(), torch.cuda.stream(stream) if stream else nullcontext():  # both per thread
+            with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else nullcontext():  # per thread
                 # One slot, the prompt in hand. It needs no wiping between prompts: a prompt on a belt of
                 # one attends over its own positions only, and writes each before it reads it.
                 own_cache = model.new_cache(1, self.max_len)
@@ -845,18 +845,21 @@ def panel_svg(title, n_slots, completions, summary, step_times, step_w, n_axis_s
 
 
 def legend_svg(has_step_times):
-    """One line, above the panels, saying what the marks mean."""
+    """Above the panels, what the marks mean, on as many lines as it takes -> (its SVG, its height)."""
     keys = [([colour(2)], "a request in its slot, with its letter (hover over it: details)"),
             ([colour(2), "url(#hatch)"], "its prompt being prefilled: no token yet"),
             (["#eee"], "an idle slot"), (["#666"], "busy: the share of slots holding a request")]
     keys += [(["#c0392b"], "ms: how long each step took")] if has_step_times else []
-    parts, x = [], 8
+    parts, x, y = [], 8, 8
     for fills, text in keys:
+        width = 26 + 6.5 * len(text)  # text at 12 px runs about 6.5 px a character
+        if x + width > SVG_WIDTH:
+            x, y = 8, y + 22
         swatch = "".join(tag("rect", width=20, height=14, fill=fill) for fill in fills)
         parts.append(tag("g", swatch + tag("text", escape(text), x=26, y=11, font_size=12),
-                         transform=f"translate({x}, 8)"))
-        x += 26 + 6.5 * len(text) + 20  # text at 12 px runs about 6.5 px a character
-    return "".join(parts)
+                         transform=f"translate({x}, {y})"))
+        x += width + 20
+    return "".join(parts), y + 32
 
 
 def belt_svg(*groups):
@@ -867,7 +870,8 @@ def belt_svg(*groups):
     .tokens, or None (not finished: not drawn); summary: summarize()'s figures; step_times: None, or
     [(step, seconds)] for a strip of step durations."""
     has_step_times = any(panel[4] for panels in groups for panel in panels)
-    parts, top = [tag("defs", HATCH), legend_svg(has_step_times)], 40
+    legend, top = legend_svg(has_step_times)
+    parts = [tag("defs", HATCH), legend]
     for g, panels in enumerate(groups):
         top += 4 * GAP if g else 0  # a gap between groups: each has scales of its own
         n_steps = max((c.finish_step + 1 for _, _, completions, _, _ in panels for c in completions if c), default=1)
@@ -907,7 +911,8 @@ def run_all(model, requests, runs, args, eos_id, show_belt):
     for name, n_slots, policy, prefill_chunk, disaggregate in runs:
         where = f"; {placement(model.lm_head.weight.device)}" if disaggregate else ""
         if show_belt:
-            prompt_mark = "with the prefill worker; '>A': A's keys and values handed over" if disaggregate else "not all in yet"
+            prompt_mark = ("with the prefill worker; '>A': A's keys and values handed over" if disaggregate
+                           else "not all in yet")
             print(f"\n== {name}: {len(requests)} requests, {n_slots} slots (letter: the request that made a "
                   f"token in that slot; '~': its prompt {prompt_mark}; '.': a slot doing no useful work){where}")
         elif disaggregate:
@@ -1127,9 +1132,8 @@ def bench(args):
               "fairly, seconds do not. Without --quick: GPT-2 124M.")
     long_prompt_panels = long_prompts(model, args)
     if model.config.block_size >= 1024:
-        attention_table(model)
         short, long = (time_decode_step(model, [100] * args.slots, max_len, repeats=10) for max_len in (128, 1024))
-        print(f"decode step at position 100: {1e3 * short:.1f} ms with max_len=128, "
+        print(f"\ndecode step at position 100: {1e3 * short:.1f} ms with max_len=128, "
               f"{1e3 * long:.1f} ms with max_len=1024 ({long / short:.2f}x)")
     max_len = args.max_len or model.config.block_size
     cache_bytes = model.new_cache(args.slots, max_len).nbytes
@@ -1142,7 +1146,9 @@ def bench(args):
         except ImportError:
             peak = "not measured here"
     print(f"KV cache: {cache_bytes / 1e6:.1f} MB ({args.slots} slots x {max_len} positions), made once per "
-          f"run; peak memory of the whole process: {peak}")
+          f"run; peak memory of the whole process so far: {peak}")
+    if model.config.block_size >= 1024:
+        attention_table(model)  # last: its belts of 64 slots hold a cache 8 times the size of 8 slots'
     return [[(name, args.slots, completions[name], summaries[name], None) for name in ("continuous", "static")],
             long_prompt_panels]
 
@@ -1173,9 +1179,10 @@ def long_prompts(model, args):
     for row, figure in [("TBT P99", lambda summary: summary["TBT P50/P99 (ms)"][1]),
                         ("TTFT P99", lambda summary: summary["TTFT P50/P99 (s)"][1]),
                         ("tokens/s", lambda summary: summary["tokens/s"])]:
-        print(f"{row:24}" + "".join(f"{figure(summary) / figure(whole):>17.2f}x" for summary in (chunked, disaggregated)))
-    return [(name, args.slots, completions[name], summaries[name], [(report.step, report.step_s) for report in reports[name]])
-            for name, *_ in runs]
+        print(f"{row:24}" + "".join(f"{figure(summary) / figure(whole):>17.2f}x"
+                                    for summary in (chunked, disaggregated)))
+    step_times = {name: [(report.step, report.step_s) for report in steps] for name, steps in reports.items()}
+    return [(name, args.slots, completions[name], summaries[name], step_times[name]) for name, *_ in runs]
 
 
 def time_decode_step(model, positions, max_len, repeats=5):
@@ -1279,7 +1286,7 @@ def verify(args):
         fail(e)
     prompts_go = f"prompt chunks of {args.prefill_chunk}" if args.prefill_chunk else "whole prompts"
     if args.disaggregate:
-        prompts_go += f" on a prefill worker: {placement(args.device)}"
+        prompts_go += f" on a prefill worker: {placement(model.lm_head.weight.device)}"
     print(f"verify: {n_requests} greedy requests (prompts of {'-'.join(map(str, prompt_lens))} random tokens, "
           f"answers of {'-'.join(map(str, answer_lens))}, {sum(r.arrival > 0 for r in requests)} arriving late) "
           f"through generate ({args.slots} slots, {args.policy}, {prompts_go}) and "

@@ -1239,9 +1239,9 @@ def test_summarize_by_hand():
 def test_summarize_kv_moved_by_hand():
     """Disaggregated, the same schedule with A's and B's prompts handed over by the worker in step
     0 (1.5 MB in 2 ms) and C's in step 2 (0.25 MB in 0.5 ms): 1.75 MB in 2.5 ms in all."""
-    handed = [SimpleNamespace(**{**vars(report), **changes}) for report, changes in zip(SCHEDULE, [
-        dict(handed_over=[0, 1], kv_bytes=1_500_000, kv_s=0.002), {}, dict(handed_over=[2], kv_bytes=250_000, kv_s=0.0005),
-        {}, {}])]
+    handovers = [dict(handed_over=[0, 1], kv_bytes=1_500_000, kv_s=0.002), {},
+                 dict(handed_over=[2], kv_bytes=250_000, kv_s=0.0005), {}, {}]
+    handed = [SimpleNamespace(**{**vars(report), **changes}) for report, changes in zip(SCHEDULE, handovers)]
     megabytes, milliseconds = nanobatch.summarize(ARRIVALS, SERVED, handed, wall_s=2.5)["KV moved (MB / ms)"]
     assert (megabytes, milliseconds) == (pytest.approx(1.75), pytest.approx(2.5))
 
