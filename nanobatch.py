@@ -16,9 +16,10 @@ A belt of S slots, each able to hold one sequence's keys and values in the KV ca
 Static batching is the same loop with one decision changed (`slots_to_fill`): it refills only an
 empty belt, so a short answer's slot idles until the longest answer of its batch is done; and, as
 a padded batch does, it still computes that idle slot's row (phase 3 of `generate`).
-Disaggregated (`disaggregate=True`), a PrefillWorker on hardware of its own prefills every prompt,
-the loop feeds no prompt token, and a request joins the belt's decoding once the worker has copied
-its keys and values into the slot that was reserved for it at admission.
+Disaggregated (`disaggregate=True`), a PrefillWorker prefills every prompt on hardware of its own
+(a second GPU; else a share of the one device: a CUDA stream, or half the CPU's threads), the loop
+feeds no prompt token, and a request joins the belt's decoding once the worker has copied its keys
+and values into the slot that was reserved for it at admission.
 
 Shapes in comments use model.py's legend; those met here: S slots, B rows of queries, M tokens
 packed into a step, D of them one-token rows, T tokens in one prompt chunk, L cache positions
@@ -29,15 +30,15 @@ import copy
 import math
 import numbers
 import os
+import queue
 import random
 import reprlib
 import statistics
 import string
-import queue
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -72,7 +73,8 @@ class Completion:
     latency_s: float  # seconds from the start of its arrival step to its last token
     first_token_step: int  # loop step that produced its first token: admit_step unless its prompt
     #                        waited for the prompt budget or needed several steps of it (chunked
-    #                        prefill); finish_step is always first_token_step + len(tokens) - 1
+    #                        prefill), or the prefill worker had it (disaggregated: the step that
+    #                        took its handover); finish_step is always first_token_step + len(tokens) - 1
     slot: int  # the slot it occupied
     token_times_s: list[float]  # seconds from the start of its arrival step to each of its tokens
 
@@ -173,9 +175,9 @@ def pack_step(work, padding_slots, n_slots, device):
     one_token = [(run, run.slot, run.n_cached, ids) for run, ids in work if len(ids) == 1]
     one_token += [(None, slot, 0, [0]) for slot in padding_slots]  # token 0 at position 0
     cut = attention_cut([position + 1 for _, _, position, _ in one_token], n_slots, device)  # model.py
-    chunks = [row for row in one_token if row[2] + 1 > cut]  # alone over their slot: chunks of one
-    chunks += [(run, run.slot, run.n_cached, ids) for run, ids in work if len(ids) > 1]
-    one_token = [row for row in one_token if row[2] + 1 <= cut]
+    alone = [(run, slot, position, ids) for run, slot, position, ids in one_token if position + 1 > cut]
+    one_token = [(run, slot, position, ids) for run, slot, position, ids in one_token if position + 1 <= cut]
+    chunks = alone + [(run, run.slot, run.n_cached, ids) for run, ids in work if len(ids) > 1]  # each over its slot
     tokens, positions, slots, logit_rows, padding_rows, to_sample = [], [], [], [], [], []
     for run, slot, first_position, ids in one_token + chunks:
         tokens += ids
@@ -322,39 +324,50 @@ class PrefillWorker:
     """The prefill machine: a thread of its own, started as a `with` block begins and joined as it
     ends, however it ends. The loop keeps the calling thread and the model's device; the worker gets
     a second GPU and a copy of the weights if there is one, else a CUDA stream of its own on the one
-    GPU (shared, then), or half of a CPU's torch threads (a per-thread setting). The loop puts in
-    the inbox a Running request whose slot it reserved; the worker prefills the prompt into a cache
-    of its own, samples the first token, copies the keys and values into that slot, and puts a
-    Handover in the outbox, or the exception that stopped it, which the loop raises."""
+    GPU (shared, then), or on a CPU half of torch's threads (each thread sets its own count; the
+    caller's is given back at the end). The loop sends a Running request whose slot it reserved;
+    the worker prefills the prompt into a cache of its own, samples the first token, copies the
+    keys and values into that slot, and sends back a Handover, or the exception that stopped it,
+    which the loop raises."""
 
     def __init__(self, model, cache, max_len, prefill_chunk):
         self.model, self.cache, self.max_len, self.prefill_chunk = model, cache, max_len, prefill_chunk
-        self.inbox, self.outbox = queue.Queue(), queue.Queue()  # Running (None: stop); Handover or error
+        self.inbox, self.outbox = queue.Queue(), queue.Queue()  # Running (None: wake up); Handover or error
+        self.stopping, self.thread = threading.Event(), None
         self.n_threads = torch.get_num_threads()  # the caller's setting, given back at the end
 
     def __enter__(self):
         device = self.model.lm_head.weight.device
         worker_device, (worker_threads, loop_threads) = prefill_device(device), split_threads(self.n_threads)
-        model = self.model if worker_device == device else copy.deepcopy(self.model).to(worker_device)
+        model = self.model
+        if worker_device != device:  # the weights copied to the worker's GPU, built there
+            with torch.device(worker_device):
+                model = GPT(self.model.config).to(self.model.lm_head.weight.dtype).eval()
+            model.load_state_dict(self.model.state_dict())
+        # The worker's copy into a slot must come after the loop's last use of it (the clear of its
+        # previous occupant), which the loop queued on its own stream.
+        loop_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         if device.type == "cpu":
             torch.set_num_threads(loop_threads)
-        self.thread = threading.Thread(target=self.prefill, args=(model, worker_threads), daemon=True,
+        self.thread = threading.Thread(target=self.prefill, args=(model, worker_threads, loop_stream), daemon=True,
                                        name="nanobatch prefill worker")
         self.thread.start()
         return self
 
-    def prefill(self, model, n_threads):  # the worker's thread
+    def prefill(self, model, n_threads, loop_stream):  # the worker's thread
         try:
             device = model.lm_head.weight.device
             if device.type == "cpu":
                 torch.set_num_threads(n_threads)
             stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-            with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else nullcontext():  # per thread
+            on_own_stream = torch.cuda.stream(stream) if stream is not None else nullcontext()
+            with torch.no_grad(), on_own_stream:  # no_grad and the current stream are set per thread
                 # One slot, the prompt in hand. It needs no wiping between prompts: a prompt on a belt of
                 # one attends over its own positions only, and writes each before it reads it.
                 own_cache = model.new_cache(1, self.max_len)
-                while (run := self.inbox.get()) is not None:
-                    here = Running(run.request_index, run.request, 0, run.sampler, run.admit_step)  # slot 0 here
+                while (run := self.inbox.get()) is not None and not self.stopping.is_set():
+                    here = Running(run.request_index, run.request, slot=0, sampler=run.sampler,
+                                   admit_step=run.admit_step)
                     while here.is_prefilling:  # the loop's own plan, on a belt of one: prefill_chunk a forward
                         packed, _ = pack_step(plan_step([here], self.prefill_chunk), [], 1, device)
                         logits = model.forward_packed(packed, own_cache)  # (1, V) once the prompt is in
@@ -362,16 +375,21 @@ class PrefillWorker:
                     logits = logits[0].to(self.cache.kv.device)  # (V,)
                     token = sample(logits, run.request, run.sampler).item()
                     start = time.perf_counter()
+                    if stream is not None:
+                        stream.wait_stream(loop_stream)
                     kv_bytes = own_cache.send(0, here.n_cached, to=self.cache, to_slot=run.slot)  # the transfer
                     synchronize(device)
                     self.outbox.put(Handover(run, token, logits, kv_bytes, time.perf_counter() - start))
         except BaseException as error:  # carried to the loop, which raises it with this traceback
             self.outbox.put(error)
 
+    def send(self, run):
+        self.inbox.put(run)
+
     def receive(self, wait):
-        """The Handovers put since the last call; with wait, at least one (the loop is idle)."""
+        """The Handovers sent since the last call; with wait, at least one (the loop is idle)."""
         handovers = [self.outbox.get()] if wait else []
-        while not self.outbox.empty():
+        while not self.outbox.empty():  # the loop is the only reader
             handovers.append(self.outbox.get())
         for handover in handovers:
             if isinstance(handover, BaseException):
@@ -381,11 +399,12 @@ class PrefillWorker:
         return handovers
 
     def __exit__(self, *exception):
-        while not self.inbox.empty():  # the prompts not started are dropped, and the worker
-            self.inbox.get()  # stops after the one in hand
-        self.inbox.put(None)
-        self.thread.join()
-        torch.set_num_threads(self.n_threads)
+        self.stopping.set()  # the prompts not started are dropped: the worker stops after the one in hand
+        self.inbox.put(None)  # wakes it if it waits for a prompt
+        try:
+            self.thread.join()
+        finally:
+            torch.set_num_threads(self.n_threads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,27 +449,30 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
                 i = waiting.popleft()
                 belt[slot] = Running(i, requests[i], slot, new_sampler(requests[i], device), admit_step=step)
                 admitted.append(i)
-                if worker:
-                    worker.inbox.put(belt[slot])
+                if worker is not None:
+                    worker.send(belt[slot])
             # 3) Choose the step's tokens; with a worker, no prompt token (a budget of 0). Static
             #    batching runs its batch at a fixed size, as a padded batch does: a finished
             #    request's row still costs a row (a padding token, its logits included) until its
             #    whole batch is done. Continuous computes no empty rows.
-            work = plan_step(belt, 0 if worker else prefill_chunk)
+            work = plan_step(belt, 0 if worker is not None else prefill_chunk)
             n_prompt_tokens = sum(len(ids) for run, ids in work if run.is_prefilling)
             padding_slots = [s for s, run in enumerate(belt) if run is None] if policy == "static" else []
             # 4) One forward over all of them; a new token for every run that is due one.
             packed, to_sample = pack_step(work, padding_slots, n_slots, device)
             model_start = time.perf_counter()
-            logits = model.forward_packed(packed, cache)[:len(to_sample)]  # (R, V): padding's rows dropped
-            new_tokens = sample_step(logits, to_sample, device)
+            if work:
+                logits = model.forward_packed(packed, cache)[:len(to_sample)]  # (R, V): padding's rows dropped
+                new_tokens = sample_step(logits, to_sample, device)
+            else:  # disaggregated, with nothing to decode yet: the loop waits for the worker below
+                logits, new_tokens = cache.kv.new_empty(0, model.config.vocab_size), []
             model_s = time.perf_counter() - model_start
             for run, ids in work:
                 run.n_cached += len(ids)
             # 4b) The prompts the worker has handed over, their keys and values in their slots: each
             #     makes its first token in this step, and decodes from the next. Nothing to decode
             #     this step: the loop waits for one.
-            handovers = worker.receive(wait=not work) if worker else []
+            handovers = worker.receive(wait=not work) if worker is not None else []
             for handover in handovers:
                 handover.run.n_cached = len(handover.run.request.prompt)
                 to_sample.append(handover.run)
@@ -657,7 +679,7 @@ LEGEND = {  # each figure of summarize(), in the table's order, and what it coun
     "TTFT P50/P99 (steps)": "time to first token: steps from a request's arrival to its first token",
     "TTFT P50/P99 (s)": "the same in seconds",
     "TBT P50/P99 (ms)": "time between tokens: the gaps between a request's consecutive tokens",
-    "slowest step (ms)": "the longest pause any running request saw, however rare",
+    "slowest step (ms)": "the longest pause any request saw between two of its tokens, however rare",
     "time outside the model": "share of the wall time spent scheduling and printing, not in the model "
                               "(disaggregated: also waiting for the prefill worker)",
     "KV moved (MB / ms)": "disaggregated: keys and values the prefill worker copied into decode slots, and "
@@ -697,7 +719,7 @@ def summarize(requests, completions, reports, wall_s):
         "TTFT P50/P99 (steps)": p50_p99([c.first_token_step - r.arrival + 1 for r, c in done]),
         "TTFT P50/P99 (s)": p50_p99([c.ttft_s for _, c in done]),
         "TBT P50/P99 (ms)": p50_p99(gaps_ms),
-        "slowest step (ms)": 1e3 * max(report.step_s for report in reports),
+        "slowest step (ms)": max(gaps_ms, default=None),  # a step that no decoding request waited for is no pause
         "time outside the model": 1 - sum(report.model_s for report in reports) / wall_s,
         "KV moved (MB / ms)": ((sum(report.kv_bytes for report in reports) / 1e6,
                                 1e3 * sum(report.kv_s for report in reports))
@@ -740,6 +762,7 @@ def print_step(report):
 SVG_WIDTH, LEFT, RIGHT = 1200, 44, 16  # px: fits a laptop screen; LEFT holds the margin's labels
 TITLE_H, GAP, STRIP_H, AXIS_H = 26, 6, 24, 30  # px: a panel's title, belt-to-strip gap, strip, axis
 STEP_TIMES_H, SCALE_W = 40, 40  # px: the strip of step durations, and room right of it for its scale
+STEP_COLOUR = "#c0392b"  # a step's duration, red: a stall must stand out
 HATCH = ('<pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform='
          '"rotate(45)"><rect width="3" height="6" fill="white" fill-opacity="0.6"/></pattern>')
 
@@ -797,8 +820,8 @@ def stay_svg(i, c, step_w, row_h):
 
 def panel_svg(title, n_slots, completions, summary, step_times, step_w, n_axis_steps, longest_s, top):
     """One run, drawn from y = top down: its title, a belt of n_slots rows, the occupancy strip, the
-    step durations if step_times are given ([(step, seconds)], a bar each, longest_s the full
-    height), and the step axis -> (the panel's SVG, the y where the next panel begins)."""
+    step durations if step_times are given ([(step, seconds, whether a request decoded in it)], a
+    bar each, longest_s the full height), and the step axis -> (its SVG, where the next begins)."""
     done = [(i, c) for i, c in enumerate(completions) if c is not None]  # None: did not finish
     n_steps = max((c.finish_step + 1 for _, c in done), default=0)
     row_h = min(22, max(6, 360 / n_slots))  # 8 slots: roomy rows; 64: thin ones, 384 px in all
@@ -826,11 +849,11 @@ def panel_svg(title, n_slots, completions, summary, step_times, step_w, n_axis_s
         times_top = strip_top + STRIP_H + GAP
         parts += [margin_label("ms", times_top + STEP_TIMES_H / 2),
                   tag("rect", x=LEFT, y=times_top, width=n_steps * step_w, height=STEP_TIMES_H, fill="#eee")]
-        for step, seconds in step_times:
+        for step, seconds, decoded in step_times:  # grey: prompts only, or waiting for the worker
             bar_h = STEP_TIMES_H * seconds / longest_s
             parts.append(tag("rect", class_="step-time", data_step=step, data_ms=f"{1e3 * seconds:.1f}",
                              x=LEFT + step * step_w, y=times_top + STEP_TIMES_H - bar_h, width=step_w, height=bar_h,
-                             fill="#c0392b", shape_rendering="crispEdges"))
+                             fill=STEP_COLOUR if decoded else "#bbb", shape_rendering="crispEdges"))
         parts.append(tag("text", f"{1e3 * longest_s:.0f} ms", x=LEFT + n_axis_steps * step_w + 4, y=times_top + 8,
                          font_size=10, fill="#555"))  # the scale: a bar of the full height
         axis_y = times_top + STEP_TIMES_H + 4
@@ -849,7 +872,8 @@ def legend_svg(has_step_times):
     keys = [([colour(2)], "a request in its slot, with its letter (hover over it: details)"),
             ([colour(2), "url(#hatch)"], "its prompt being prefilled: no token yet"),
             (["#eee"], "an idle slot"), (["#666"], "busy: the share of slots holding a request")]
-    keys += [(["#c0392b"], "ms: how long each step took")] if has_step_times else []
+    keys += [([STEP_COLOUR], "ms: how long each step took"),
+             (["#bbb"], "a step in which no request decoded")] if has_step_times else []
     parts, x, y = [], 8, 8
     for fills, text in keys:
         width = 26 + 6.5 * len(text)  # text at 12 px runs about 6.5 px a character
@@ -875,7 +899,7 @@ def belt_svg(*groups):
     for g, panels in enumerate(groups):
         top += 4 * GAP if g else 0  # a gap between groups: each has scales of its own
         n_steps = max((c.finish_step + 1 for _, _, completions, _, _ in panels for c in completions if c), default=1)
-        durations = [seconds for *_, step_times in panels for _, seconds in step_times or ()]
+        durations = [seconds for *_, step_times in panels for _, seconds, _ in step_times or ()]
         width = SVG_WIDTH - LEFT - RIGHT - (SCALE_W if durations else 0)
         step_w = width / n_steps  # px per step: the longest run spans the width
         for panel in panels:
@@ -1102,25 +1126,25 @@ def bench(args):
     print(f"bench: {n_requests} requests, prompts of 4-16 tokens, answers of {min(lengths)}-{max(lengths)} "
           f"(mean {sum(lengths) / n_requests:.1f}) tokens, GPT-2 {model.config.n_layer} layers "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M, {args.device}, {args.dtype}")
-    if args.disaggregate:
-        print("--disaggregate: continuous, sequential and packable prefill on a worker of their own; static "
-              "batching cannot, and runs as without it")
-    runs = [("continuous", args.slots, "continuous", args.prefill_chunk, args.disaggregate),
+    runs = [("continuous", args.slots, "continuous", args.prefill_chunk, False),
             ("static", args.slots, "static", args.prefill_chunk, False),
-            ("sequential", 1, "continuous", args.prefill_chunk, args.disaggregate)]
+            ("sequential", 1, "continuous", args.prefill_chunk, False)]
+    runs += [("disaggregated", args.slots, "continuous", args.prefill_chunk, True)] if args.disaggregate else []
     # eos_id=None: every answer runs to its drawn length, so real weights see the same workload.
     summaries, completions, _ = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
     # The scheduler's efficiency: the same prompts with every answer of the mean length, so that a
     # belt of them never idles. While requests wait, continuous should come close to its rate.
     mean_length = round(sum(lengths) / n_requests)
     packable = [Request(r.prompt, mean_length, arrival=r.arrival) for r in requests]
-    packable_run = ("packable", args.slots, "continuous", args.prefill_chunk, args.disaggregate)
+    packable_run = ("packable", args.slots, "continuous", args.prefill_chunk, False)
     summaries.update(run_all(model, packable, [packable_run], args, eos_id=None, show_belt=False)[0])
     print_table(summaries, legend=True)
     cont, stat, seq, ideal = (summaries[name] for name in ("continuous", "static", "sequential", "packable"))
     print(f"\nsteps static / continuous:        {stat['steps'] / cont['steps']:.2f}x")
     print(f"tokens/s continuous / static:     {cont['tokens/s'] / stat['tokens/s']:.2f}x")
     print(f"tokens/s continuous / sequential: {cont['tokens/s'] / seq['tokens/s']:.2f}x")
+    if args.disaggregate:
+        print(f"tokens/s disaggregated / continuous: {summaries['disaggregated']['tokens/s'] / cont['tokens/s']:.2f}x")
     if cont["tokens/s while queued"] and ideal["tokens/s while queued"]:
         print(f"scheduler efficiency: while requests wait, continuous makes {cont['tokens/s while queued']:.1f} "
               f"tokens/s, {cont['tokens/s while queued'] / ideal['tokens/s while queued']:.0%} of the "
@@ -1149,8 +1173,8 @@ def bench(args):
           f"run; peak memory of the whole process so far: {peak}")
     if model.config.block_size >= 1024:
         attention_table(model)  # last: its belts of 64 slots hold a cache 8 times the size of 8 slots'
-    return [[(name, args.slots, completions[name], summaries[name], None) for name in ("continuous", "static")],
-            long_prompt_panels]
+    shown = ["continuous", "static"] + ["disaggregated"] * args.disaggregate
+    return [[(name, args.slots, completions[name], summaries[name], None) for name in shown], long_prompt_panels]
 
 
 def long_prompts(model, args):
@@ -1159,7 +1183,10 @@ def long_prompts(model, args):
     long step; chunks spread it over several; a prefill worker takes it off the belt -> their
     panels, each with its step durations."""
     V, rng, n_requests = model.config.vocab_size, random.Random(args.seed + 1), 8 * args.slots
-    long_len = min(600, (args.max_len or model.config.block_size) - 70)
+    long_len = min(600, (args.max_len or model.config.block_size) - 70)  # room for the short answers beside it
+    if long_len < 100:
+        print(f"\nlong prompts: skipped, --max-len {args.max_len} leaves no room for a long prompt (170 at least)")
+        return []
     lengths = long_tailed(rng, n_requests, mean=16, cap=64)
     is_long = [i % (n_requests // 4) == n_requests // 8 for i in range(n_requests)]  # 4 of them, spread out
     requests = [Request([rng.randrange(V) for _ in range(long_len if long else rng.randint(4, 16))], n,
@@ -1181,15 +1208,22 @@ def long_prompts(model, args):
                         ("tokens/s", lambda summary: summary["tokens/s"])]:
         print(f"{row:24}" + "".join(f"{figure(summary) / figure(whole):>17.2f}x"
                                     for summary in (chunked, disaggregated)))
-    step_times = {name: [(report.step, report.step_s) for report in steps] for name, steps in reports.items()}
-    return [(name, args.slots, completions[name], summaries[name], step_times[name]) for name, *_ in runs]
+    return [(name, args.slots, completions[name], summaries[name], step_times(reports[name], completions[name]))
+            for name, *_ in runs]
 
 
-def time_decode_step(model, positions, max_len, repeats=5):
+def step_times(reports, completions):
+    """[(step, seconds, whether a request decoded in it)]: a step decodes when it makes more tokens
+    than first tokens."""
+    first_tokens = Counter(c.first_token_step for c in completions if c is not None)
+    return [(report.step, report.step_s, report.n_running > first_tokens[report.step]) for report in reports]
+
+
+def time_decode_step(model, positions, max_len, repeats=5, cache=None):
     """Seconds for one forward of a belt in which every slot decodes, slot s at positions[s], in a
-    max_len cache: the median of `repeats` forwards, after one to warm up."""
+    max_len cache (`cache`, or a new one): the median of `repeats` forwards, after one to warm up."""
     device, n_slots = model.lm_head.weight.device, len(positions)
-    cache = model.new_cache(n_slots, max_len)
+    cache = model.new_cache(n_slots, max_len) if cache is None else cache
     runs = [Running(slot, Request([0] * position, 2), slot, None, admit_step=0, n_cached=position, tokens=[0])
             for slot, position in enumerate(positions)]  # each about to feed its first answer token
     packed, _ = pack_step([(run, [0]) for run in runs], [], n_slots, device)
@@ -1213,10 +1247,14 @@ def attention_table(model):
 
     belts = {"all short (48)": lambda n: [48] * n, "one long (940)": lambda n: [940] + [48] * (n - 1),
              "spread 50-1000": spread, "at their mean": lambda n: [round(sum(spread(n)) / n)] * n}
-    print("\ndecode steps (ms, the median of 5), every slot decoding, its length in keys")
+    config, itemsize = model.config, model.lm_head.weight.element_size()
+    cache_64_gb = 64 * 1024 * config.n_layer * 2 * config.n_embd * itemsize / 1e9  # keys and values, every layer
+    print(f"\ndecode steps (ms, the median of 5), every slot decoding, its length in keys (64 slots hold a "
+          f"cache of {cache_64_gb:.1f} GB)")
     print(f"{'':10}" + "".join(f"{name:>16}" for name in belts) + f"{'long / short':>14}{'spread / mean':>15}")
     for n_slots in (8, 16, 32, 64):
-        ms = [1e3 * time_decode_step(model, [length - 1 for length in lengths(n_slots)], max_len=1024)
+        cache = model.new_cache(n_slots, 1024)  # one per belt size, for all four belts
+        ms = [1e3 * time_decode_step(model, [length - 1 for length in lengths(n_slots)], 1024, cache=cache)
               for lengths in belts.values()]
         print(f"{f'{n_slots} slots':10}" + "".join(f"{t:>16.1f}" for t in ms) +
               f"{ms[1] / ms[0]:>13.2f}x{ms[2] / ms[3]:>14.2f}x", flush=True)
@@ -1320,7 +1358,9 @@ def verify(args):
     #    the exact ones from a float64 copy of the model.
     exact_model, counts = None, {"identical": 0, "rounding": 0, "BUG": 0}
     for i, (request, got, want) in enumerate(zip(requests, batched, reference)):
-        if got.tokens == want.tokens:
+        if n_rows_seen[i] != len(got.tokens):  # a token whose logits were not reported goes unjudged
+            name, line = "BUG", f"{len(got.tokens)} tokens, but {n_rows_seen[i]} logits rows for it in the step reports"
+        elif got.tokens == want.tokens:
             name, line = "identical", ""
         elif i not in first_flip:  # only a broken engine or report gets here
             name, line = "BUG", (f"answers of {len(got.tokens)} and {len(want.tokens)} tokens, and no logits "
@@ -1408,7 +1448,8 @@ def main(argv=None):
     work.add_argument("--prefill-chunk", type=int, metavar="N", help="at most N prompt tokens a step "
                       f"(--demo: {DEMO_PREFILL_CHUNK}; else no limit)")
     work.add_argument("--disaggregate", action="store_true", help="continuous batching prefills every prompt on a "
-                      "worker of its own: half the CPU's threads, or a second GPU (static batching cannot)")
+                      "worker of its own: a second GPU, a CUDA stream of its own on one, or half the CPU's threads "
+                      "(static batching cannot; --bench: a column of its own)")
     work.add_argument("--seed", type=int, help="request i samples with seed + i; --bench: its workload (0)")
     work.add_argument("--temperature", type=float, metavar="T", help="--demo, --prompt: 0 is greedy (0)")
     work.add_argument("--top-k", type=int, metavar="K", help="--demo, --prompt: sample among the K likeliest")
@@ -1426,8 +1467,8 @@ def main(argv=None):
     setup.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], help="(float32)")
     setup.add_argument("--quiet", action="store_true", help="--demo, --prompt: no belt, only the summary")
     setup.add_argument("--svg", metavar="FILE", help="the belt drawn into FILE, a panel per run (--bench: "
-                       "continuous and static, not sequential, whose 8 times as many steps would squeeze them; "
-                       "then the long-prompt runs with their step durations)")
+                       "continuous, static and disaggregated, not sequential, whose 8 times as many steps would "
+                       "squeeze them; then the long-prompt runs with their step durations)")
     given = vars(parser.parse_args(argv))
     mode = next(name for name in MODES if name in given)  # exactly one: the parser saw to that
     run, options = MODES[mode]

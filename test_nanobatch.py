@@ -156,11 +156,12 @@ def check_clock(requests, completions, n_slots, policy, prefill_chunk=None, repo
         assert all(report.n_prompt_tokens == 0 for report in reports), "the decode loop fed prompt tokens"
         handed_over = Counter((i, report.step) for report in reports for i in report.handed_over)
         assert handed_over == Counter((i, c.first_token_step) for i, c in enumerate(completions)), handed_over
-    for report in reports if not disaggregate else ():  # the budget is kept, used in full while a prompt is unfinished
+    else:  # the budget is kept, and used in full while a prompt is left unfinished
         budget = math.inf if prefill_chunk is None else prefill_chunk
-        assert report.n_prompt_tokens <= budget, f"step {report.step}: {report.n_prompt_tokens} prompt tokens"
-        assert report.n_prefilling == 0 or report.n_prompt_tokens == budget, \
-            f"step {report.step}: {report.n_prompt_tokens} of {budget} prompt tokens while {report.n_prefilling} wait"
+        for report in reports:
+            assert report.n_prompt_tokens <= budget, f"step {report.step}: {report.n_prompt_tokens} prompt tokens"
+            assert report.n_prefilling == 0 or report.n_prompt_tokens == budget, \
+                f"step {report.step}: {report.n_prompt_tokens} of {budget} prompt tokens while {report.n_prefilling} wait"
     for t in range(max(c.finish_step for c in completions) + 1):
         waiting = [i for i in range(n) if requests[i].arrival <= t < completions[i].admit_step]
         active = n_active(completions, t)
@@ -483,11 +484,15 @@ def test_disaggregated_prompts_go_to_the_worker_only(gpt, monkeypatch):
                                                          torch.get_num_threads()))
         return forward_packed(model, step, cache)
 
-    def serve():  # in the caller's thread: what it sees of torch's threads before and after
+    def serve():  # in a caller's thread that asked for 3 threads, split as 1 and 2: the sides differ
         before = torch.get_num_threads()
-        completions = generate(gpt, requests, n_slots=3, max_len=MAX_LEN, eos_id=None, prefill_chunk=4,
-                               disaggregate=True, on_step=reports.append)
-        return completions, before, torch.get_num_threads()
+        torch.set_num_threads(3)
+        try:
+            completions = generate(gpt, requests, n_slots=3, max_len=MAX_LEN, eos_id=None, prefill_chunk=4,
+                                   disaggregate=True, on_step=reports.append)
+            return completions, 3, torch.get_num_threads()
+        finally:  # torch's default for threads started later, as the suite found it
+            torch.set_num_threads(before)
 
     monkeypatch.setattr(GPT, "forward_packed", recording)
     requests, reports = random_workload(seed=3, n_requests=12), []
@@ -515,9 +520,38 @@ def test_disaggregated_prompts_go_to_the_worker_only(gpt, monkeypatch):
             want = gpt(torch.tensor([requests[i].prompt]))[0, -1]
             assert torch.allclose(row, want, rtol=0, atol=1e-10), f"request {i}: {worst(row, want)}"
     # 5) The threads: split between the sides while it ran, the caller's setting back after.
-    worker_share, loop_share = nanobatch.split_threads(caller_threads)
-    assert {n for _, _, n in fed["worker"]} == {worker_share} and {n for _, _, n in fed["loop"]} == {loop_share}
+    assert nanobatch.split_threads(caller_threads) == (1, 2)
+    assert {n for _, _, n in fed["worker"]} == {1} and {n for _, _, n in fed["loop"]} == {2}
     assert threads_after == caller_threads
+
+
+def test_where_the_prefill_worker_runs(monkeypatch):
+    """A second GPU if there is one (the next after the loop's, round), else the loop's own device,
+    and the output says which, and that one GPU is shared."""
+    cpu, gpu_1 = torch.device("cpu"), torch.device("cuda", 1)
+    assert nanobatch.prefill_device(cpu) == cpu
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert nanobatch.prefill_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert "one GPU, shared by both sides" in nanobatch.placement(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert nanobatch.prefill_device(torch.device("cuda", 0)) == gpu_1
+    assert nanobatch.prefill_device(gpu_1) == torch.device("cuda", 0)
+    assert "the prefill worker on cuda:1 with a copy of the weights" in nanobatch.placement(torch.device("cuda", 0))
+    n_worker, n_loop = nanobatch.split_threads(torch.get_num_threads())
+    assert f"the prefill worker on {n_worker} of torch's" in nanobatch.placement(cpu)
+    assert [nanobatch.split_threads(n) for n in (1, 2, 3, 16)] == [(1, 1), (1, 1), (1, 2), (8, 8)]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_disaggregated_across_two_gpus(workload):
+    """With two GPUs the worker prefills on the second, with a copy of the weights, and the keys and
+    values cross to the first: still the reference's answers."""
+    requests, eos_id, _ = workload
+    model = tiny_gpt("cuda:0")
+    reference = generate_sequential(model, requests, max_len=MAX_LEN, eos_id=eos_id)
+    got = ends_within(TIMEOUT_S, generate, model, requests, n_slots=3, max_len=MAX_LEN, eos_id=eos_id,
+                      disaggregate=True)
+    assert first_difference(got, reference) == ""
 
 
 def test_a_worker_failure_is_raised_not_hung(gpt, monkeypatch):
@@ -555,9 +589,9 @@ def test_no_thread_outlives_generate(gpt, monkeypatch, end):
     raised, with_worker_when_stopped = {"error": ValueError, "Ctrl-C": KeyboardInterrupt}.get(end), []
     forward_packed = GPT.forward_packed
 
-    def slow_worker(model, step, cache):
+    def slow_worker(model, step, cache):  # mid-prompt when the loop stops: a missing join would be seen
         if on_worker():
-            time.sleep(0.02)
+            time.sleep(0.1)
         return forward_packed(model, step, cache)
 
     def on_step(report):
@@ -1378,8 +1412,9 @@ def test_belt_svg_groups_and_step_durations():
     scale of its own, its longest run spanning the width: (1200 - 44 - 16) / 15 = 76 px a step for
     the first, (1200 - 44 - 16 - 40) / 10 = 110 for the second, which leaves 40 px for the scale of
     its durations. The run with durations gets a bar per step reported, at that step, as tall as its
-    share of the group's longest step (40 px); the runs without get none."""
-    times = [(0, 0.1), (1, 0.4), (2, 0.2), (4, 0.05)]  # no step 3: the clock jumped over it
+    share of the group's longest step (40 px), grey where no request decoded; the runs without get
+    none."""
+    times = [(0, 0.1, False), (1, 0.4, True), (2, 0.2, True), (4, 0.05, True)]  # no step 3: the clock jumped
     summary = {**headline(10), "TBT P50/P99 (ms)": (5.0, 123.0)}
     svg = nanobatch.belt_svg(BELTS, [("long prompts", 3, CONTINUOUS, summary, times)])
     assert [step_w for step_w, _, _ in drawn_panels(svg)] == [76, 76, 110]
@@ -1388,8 +1423,17 @@ def test_belt_svg_groups_and_step_durations():
     assert [len(b) for b in bars] == [0, 0, 4]
     assert [(int(r.get("data-step")), float(r.get("x")), float(r.get("height"))) for r in bars[2]] == \
         [(0, 44, 10), (1, 154, 40), (2, 264, 20), (4, 484, 5)]
+    assert [r.get("fill") for r in bars[2]] == ["#bbb"] + [nanobatch.STEP_COLOUR] * 3  # step 0 decoded nothing
     texts = [t.text for t in panels[2].iter(f"{SVG}text")]
     assert "400 ms" in texts and texts[0].endswith("TBT P99 123 ms"), texts
+
+
+def test_step_times_by_hand():
+    """A step decodes when it makes more tokens than first tokens: in the schedule of section 6,
+    step 0 makes A's first token and nothing else (B's prompt is still going in), step 1 makes B's
+    first token and A's second, step 2 C's first and B's second."""
+    assert nanobatch.step_times([SimpleNamespace(step=i, **vars(r)) for i, r in enumerate(SCHEDULE)], SERVED) == \
+        [(0, 0.5, False), (1, 0.25, True), (2, 0.25, True), (3, 0.5, True), (4, 0.25, True)]
 
 
 # ---------------------------------------------------------------------------------------------
