@@ -5,25 +5,24 @@ A belt of S slots, each able to hold one sequence's keys and values in the KV ca
     1) requests whose arrival step has come join the waiting queue;
     2) waiting requests are admitted into free slots;
     3) the step's tokens are chosen: each running request's newest token first, then the prompts
-       of admitted requests, at most prefill_chunk prompt tokens in all (the rest of a long prompt
-       waits for the next steps: chunked prefill);
+       of admitted requests, at most prefill_chunk prompt tokens in all (chunked prefill);
     4) ONE forward runs over all of those tokens, packed side by side; every request whose tokens
-       so far are now all in the cache samples its next token (a prompt's first token comes in
-       the step that completes the prompt);
+       are now all in the cache samples its next token (a prompt's first comes in the step that
+       completes it);
     5) the step is reported (which request sits in which slot: the belt you see scroll by);
-    6) requests that hit EOS, their max_new_tokens or the slot's max_len are retired, and their
-       slots are free for step 2 of the very next step.
+    6) requests that hit EOS, their max_new_tokens or the slot's max_len are retired, their slots
+       free for the very next step.
 Static batching is the same loop with one decision changed (`slots_to_fill`): it refills only an
 empty belt, so a short answer's slot idles until the longest answer of its batch is done; and, as
 a padded batch does, it still computes that idle slot's row (phase 3 of `generate`).
 Disaggregated (`disaggregate=True`), a PrefillWorker prefills every prompt on hardware of its own
-(a second GPU; else a share of the one device: a CUDA stream, or half the CPU's threads), the loop
-feeds no prompt token, and a request joins the belt's decoding once the worker has copied its keys
-and values into the slot that was reserved for it at admission.
+(a second GPU; else a share of the one device), the loop feeds no prompt token, and a request
+joins the belt's decoding once the worker has copied its keys and values into the slot reserved
+for it at admission (phase 4b).
 
-Shapes in comments use model.py's legend; those met here: S slots, B rows of queries, M tokens
-packed into a step, D of them one-token rows, T tokens in one prompt chunk, L cache positions
-attended over, R rows sampled, V vocabulary size.
+Shapes in comments use model.py's legend: S slots, M tokens packed into a step, D of them
+one-token rows, T tokens in one prompt chunk, L cache positions attended over, R rows sampled, V
+vocabulary size, B rows of queries.
 """
 import argparse
 import copy
@@ -1156,7 +1155,8 @@ def bench(args):
               "fairly, seconds do not. Without --quick: GPT-2 124M.")
     long_prompt_panels = long_prompts(model, args)
     if model.config.block_size >= 1024:
-        short, long = (time_decode_step(model, [100] * args.slots, max_len, repeats=10) for max_len in (128, 1024))
+        short, long = (time_decode_steps(model, [[100] * args.slots], max_len, repeats=10)[0]
+                       for max_len in (128, 1024))
         print(f"\ndecode step at position 100: {1e3 * short:.1f} ms with max_len=128, "
               f"{1e3 * long:.1f} ms with max_len=1024 ({long / short:.2f}x)")
     max_len = args.max_len or model.config.block_size
@@ -1219,22 +1219,26 @@ def step_times(reports, completions):
     return [(report.step, report.step_s, report.n_running > first_tokens[report.step]) for report in reports]
 
 
-def time_decode_step(model, positions, max_len, repeats=5, cache=None):
-    """Seconds for one forward of a belt in which every slot decodes, slot s at positions[s], in a
-    max_len cache (`cache`, or a new one): the median of `repeats` forwards, after one to warm up."""
-    device, n_slots = model.lm_head.weight.device, len(positions)
-    cache = model.new_cache(n_slots, max_len) if cache is None else cache
-    runs = [Running(slot, Request([0] * position, 2), slot, None, admit_step=0, n_cached=position, tokens=[0])
-            for slot, position in enumerate(positions)]  # each about to feed its first answer token
-    packed, _ = pack_step([(run, [0]) for run in runs], [], n_slots, device)
-    seconds = []
+def time_decode_steps(model, belts, max_len, repeats=5):
+    """Seconds for one forward of each belt, every slot decoding, slot s of belt b at position
+    belts[b][s], in one cache of max_len positions: the median of `repeats` rounds, each round
+    running every belt once, so that the machine's drift falls on all belts alike."""
+    device, n_slots = model.lm_head.weight.device, len(belts[0])
+    cache = model.new_cache(n_slots, max_len)
+    steps = []
+    for positions in belts:
+        runs = [Running(slot, Request([0] * position, 2), slot, None, admit_step=0, n_cached=position, tokens=[0])
+                for slot, position in enumerate(positions)]  # each about to feed its first answer token
+        steps.append(pack_step([(run, [0]) for run in runs], [], n_slots, device)[0])
+    seconds = [[] for _ in belts]
     with torch.no_grad():
-        for _ in range(1 + repeats):
-            start = time.perf_counter()
-            model.forward_packed(packed, cache)
-            synchronize(device)
-            seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds[1:])
+        for _ in range(1 + repeats):  # the first round warms up
+            for packed, times in zip(steps, seconds):
+                start = time.perf_counter()
+                model.forward_packed(packed, cache)
+                synchronize(device)
+                times.append(time.perf_counter() - start)
+    return [statistics.median(times[1:]) for times in seconds]
 
 
 def attention_table(model):
@@ -1249,13 +1253,12 @@ def attention_table(model):
              "spread 50-1000": spread, "at their mean": lambda n: [round(sum(spread(n)) / n)] * n}
     config, itemsize = model.config, model.lm_head.weight.element_size()
     cache_64_gb = 64 * 1024 * config.n_layer * 2 * config.n_embd * itemsize / 1e9  # keys and values, every layer
-    print(f"\ndecode steps (ms, the median of 5), every slot decoding, its length in keys (64 slots hold a "
-          f"cache of {cache_64_gb:.1f} GB)")
+    print(f"\ndecode steps (ms, the median of 5 rounds of the four belts), every slot decoding, its length in keys "
+          f"(64 slots hold a cache of {cache_64_gb:.1f} GB)")
     print(f"{'':10}" + "".join(f"{name:>16}" for name in belts) + f"{'long / short':>14}{'spread / mean':>15}")
     for n_slots in (8, 16, 32, 64):
-        cache = model.new_cache(n_slots, 1024)  # one per belt size, for all four belts
-        ms = [1e3 * time_decode_step(model, [length - 1 for length in lengths(n_slots)], 1024, cache=cache)
-              for lengths in belts.values()]
+        lengths = [[length - 1 for length in belt(n_slots)] for belt in belts.values()]  # positions
+        ms = [1e3 * seconds for seconds in time_decode_steps(model, lengths, max_len=1024)]
         print(f"{f'{n_slots} slots':10}" + "".join(f"{t:>16.1f}" for t in ms) +
               f"{ms[1] / ms[0]:>13.2f}x{ms[2] / ms[3]:>14.2f}x", flush=True)
 
