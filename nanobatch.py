@@ -305,7 +305,7 @@ class Handover:
     token: int  # its first token, sampled by the worker with the request's own generator
     logits: torch.Tensor  # (V,) the logits that token was sampled from
     kv_bytes: int  # bytes of keys and values copied into the slot: the transfer
-    kv_s: float  # seconds the copy took
+    kv_s: float  # seconds the copy took (on a GPU, behind what the loop had queued before it)
 
 
 def prefill_device(device):
