@@ -144,8 +144,8 @@ def attention_mask(positions, L):
     is causal attention over exactly the slot's own prefix. What lies beyond (keys left by the
     slot's previous occupant, 'x' below) is never seen. A step with three decoding slots and a
     prompt chunk, 1 = visible. The one-token rows attend together over every slot's first L
-    positions, L the step's cut (attention_cut; 3 here), and slot 1, longer, attends alone over
-    its own slot, as a chunk does:
+    positions, L the step's cut (3 here, for the picture's sake: attention_cut would not cut a belt
+    this short), and slot 1, longer, attends alone over its own slot, as a chunk does:
 
       one-token rows, B = S = 4, T = 1, L = 3        slot 1 alone, B = 1, T = 1: its position 5
       cache position   0 1 2                         cache position   0 1 2 3 4 5
