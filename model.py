@@ -11,7 +11,9 @@ Shape legend, used in every comment below and in nanobatch.py:
 `GPT.forward(idx)` is the textbook causal forward with no cache: the reference for everything else.
 `GPT.forward_packed(step, cache)` runs one step of the engine: M new tokens from any mix of slots,
 packed side by side, no padding between them. It writes their keys and values into the cache at (slot,
-position) and attends under masks that nanobatch.py builds: the caller owns the slots.
+position) and attends under masks that nanobatch.py builds: the caller owns the slots. Below the
+transformer: the attention cut, an optimisation nanobatch.py's pack_step applies; then the loading of
+real GPT-2 checkpoints.
 """
 import json
 import math
@@ -42,12 +44,10 @@ class GPTConfig:
 @dataclass
 class PackedStep:
     """One engine step's tokens, packed: M tokens from any mix of slots, side by side, no padding
-    between them (the only filler rows are those a static batch asks for on purpose).
-
-    Rows [0, D) hold one token each, every one in a slot of its own (a decoding request's newest
-    token, or a prompt chunk of a single token), and attend together. The other rows come in
-    chunks, each attending over its own slot alone: consecutive tokens of one prompt at consecutive
-    positions, or the one token of a slot longer than the step's cut (attention_cut).
+    between them (the only filler rows are those a static batch asks for on purpose). Rows [0, D)
+    hold one token each, every one in a slot of its own, and attend together over every slot. The
+    other rows come in chunks, each attending over its own slot: consecutive tokens of one prompt
+    (or, past the step's attention_cut, one token of a long slot).
     """
     tokens: torch.Tensor  # (M,) token ids
     positions: torch.Tensor  # (M,) each token's position in its slot
@@ -56,29 +56,6 @@ class PackedStep:
     one_token_mask: torch.Tensor  # (S, 1, L) bool: slot s's one-token query may see position l; L, the cut
     chunks: list  # (rows, slot, mask): a slice of rows, their slot, (T, L) bool mask over that slot
     logit_rows: torch.Tensor  # (R,) rows whose next-token logits are wanted
-
-
-# What one more attention call costs, in keys it could read instead (a key: one position's keys and
-# values, every head). Measured on a 2-core CPU, GPT-2 124M in float32: a call alone over its own
-# slot costs about what 150 more keys in the belt's shared call do. On a GPU, an estimate, not yet
-# measured: the host spends some 30 us launching a call, in which an H200 (4.8 TB/s) reads some
-# 20,000 keys of 6 KB. A wider model's keys cost more, so fewer of them.
-CALL_COST_IN_KEYS = {"cpu": 150, "gpu": 20_000}
-
-
-def attention_cut(lengths, n_slots, device):
-    """Which one-token rows of a step attend together, from their lengths (position + 1): those no
-    longer than the cut, in one call over every slot's first `cut` positions; each longer one in a
-    call of its own, over its own slot. One call for all pads every slot to the longest, so that one
-    long request makes every slot pay its length; a call per slot pays a call's cost each. The cut
-    that costs least sits between: n_slots * cut keys, plus each longer row's own, plus its call."""
-    call_cost = CALL_COST_IN_KEYS["cpu" if device.type == "cpu" else "gpu"]
-    lengths, best = sorted(lengths), (math.inf, 1)  # (cost, cut); no row at all: a cut of 1
-    keys_above = sum(lengths)  # of the rows after i, taken as longer than the cut
-    for i, cut in enumerate(lengths):  # of equal lengths, only the last is costed right; it is the cheaper
-        keys_above -= cut
-        best = min(best, (n_slots * cut + keys_above + (len(lengths) - 1 - i) * call_cost, cut))
-    return best[1]
 
 
 class CausalSelfAttention(nn.Module):
@@ -250,6 +227,34 @@ class GPT(nn.Module):
         model = cls(config_from_tensors(tensors, path))
         load_hf_tensors(model, tensors, path)
         return model
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention cut: attention that follows the work (same results, less of it)
+#
+# The one-token rows attend in one call over every slot's first L positions, read as one view of
+# the cache with no copy. With L the longest row's length, one long request among short ones makes
+# every slot pay its length: 64 chat turns of 48 tokens beside one 940-token document read
+# 64 x 940 keys a layer, where the slots hold 63 x 48 + 940. A row attending alone over its own slot
+# reads only its own keys, but pays for a call of its own. nanobatch's pack_step cuts between
+# the two.
+
+# What one more attention call costs, in keys it could read instead (a key: one position's keys and
+# values, every head). Measured on a 2-core CPU, GPT-2 124M in float32: about 150 keys. On a GPU, an
+# estimate, not measured: some 30 us of launches, in which an H200 (4.8 TB/s) reads 20,000 keys of 6 KB.
+CALL_COST_IN_KEYS = {"cpu": 150, "gpu": 20_000}
+
+
+def attention_cut(lengths, n_slots, device):
+    """The cut that costs least for one-token rows of these lengths (position + 1): rows no longer
+    than it attend together over n_slots x cut keys; each longer one alone, its keys and a call."""
+    call_cost = CALL_COST_IN_KEYS["cpu" if device.type == "cpu" else "gpu"]
+    lengths, best = sorted(lengths), (math.inf, 1)  # (cost, cut); no row at all: a cut of 1
+    keys_above = sum(lengths)  # of the rows after i, taken as longer than the cut
+    for i, cut in enumerate(lengths):  # of equal lengths, only the last is costed right; it is the cheaper
+        keys_above -= cut
+        best = min(best, (n_slots * cut + keys_above + (len(lengths) - 1 - i) * call_cost, cut))
+    return best[1]
 
 
 # ---------------------------------------------------------------------------------------------

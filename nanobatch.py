@@ -1,48 +1,37 @@
 """
 nanobatch: continuous batching (iteration-level scheduling) for GPT-2, in one loop.
 
-A belt of S slots, each able to hold one sequence's keys and values in the KV cache. Every step:
+Part 1, continuous batching. A belt of S slots, each holding one sequence's keys and values in the
+KV cache. Every step of `generate`:
     1) requests whose arrival step has come join the waiting queue;
-    2) waiting requests are admitted into free slots;
-    3) the step's tokens are chosen: each running request's newest token first, then the prompts
-       of admitted requests, at most prefill_chunk prompt tokens in all (chunked prefill);
-    4) ONE forward runs over all of those tokens, packed side by side; every request whose tokens
-       are now all in the cache samples its next token (a prompt's first comes in the step that
-       completes it);
-    5) the step is reported (which request sits in which slot: the belt you see scroll by);
-    6) requests that hit EOS, their max_new_tokens or the slot's max_len are retired, their slots
-       free for the very next step.
-Static batching is the same loop with one decision changed (`slots_to_fill`): it refills only an
-empty belt, so a short answer's slot idles until the longest answer of its batch is done; and, as
-a padded batch does, it still computes that idle slot's row (phase 3 of `generate`).
-Disaggregated (`disaggregate=True`), a PrefillWorker prefills every prompt on hardware of its own
-(a second GPU; else a share of the one device), the loop feeds no prompt token, and a request
-joins the belt's decoding once the worker has copied its keys and values into the slot reserved
-for it at admission (phase 4b).
-
-Shapes in comments use model.py's legend: S slots, M tokens packed into a step, D of them
-one-token rows, T tokens in one prompt chunk, L cache positions attended over, R rows sampled, V
-vocabulary size, B rows of queries.
+    2) waiting requests take the free slots;
+    3) the step's tokens are chosen: each decoding request's newest token, then prompt tokens, at
+       most prefill_chunk of them (chunked prefill), all packed side by side;
+    4) ONE forward runs over them, under a mask that keeps every token to its own slot;
+    5) each request whose tokens are now all in the cache takes its next token, and stops or not;
+    6) the step is reported (which request sits in which slot: the belt you see scroll by);
+    7) finished requests retire, their slots free for the very next step.
+Static batching is the same loop with one decision changed (`slots_to_fill`).
+Part 2, disaggregated prefill: a PrefillWorker thread prefills the prompts on hardware of its own,
+and the loop only decodes. Below them, under banners: the input checks, the figures, the command line.
+Shapes in comments use model.py's legend: S slots, M tokens packed into a step, D of them one-token
+rows, T tokens of one prompt chunk, L cache positions attended over, R rows sampled, V vocabulary.
 """
 import argparse
-import copy
 import math
 import numbers
 import os
 import queue
 import random
 import reprlib
-import statistics
 import string
 import sys
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from xml.sax.saxutils import escape, quoteattr
 
 import torch
 
@@ -50,6 +39,9 @@ from model import GPT, GPTConfig, PackedStep, attention_cut, default_cache_dir
 
 POLICIES = ("continuous", "static")
 EOT = 50256  # <|endoftext|>: GPT-2 ends a text with it
+
+# ---------------------------------------------------------------------------------------------
+# Part 1, continuous batching. The data: what a caller sends, what it gets back, what a step reports
 
 
 @dataclass
@@ -65,36 +57,48 @@ class Request:
 @dataclass
 class Completion:
     tokens: list[int]  # generated ids only; an EOS that ended the request is kept
-    finish_reason: str  # "eos" | "length" | "context"
+    finish_reason: str  # "eos" | "length" | "context" (its slot is full)
     admit_step: int  # loop step that took this request into a slot
-    finish_step: int  # loop step that produced its last token
+    finish_step: int  # loop step that produced its last token: first_token_step + len(tokens) - 1
     ttft_s: float  # seconds from the start of its arrival step to its first token
     latency_s: float  # seconds from the start of its arrival step to its last token
-    first_token_step: int  # loop step that produced its first token: admit_step unless its prompt
-    #                        waited for the prompt budget or needed several steps of it (chunked
-    #                        prefill), or the prefill worker had it (disaggregated: the step that
-    #                        took its handover); finish_step is always first_token_step + len(tokens) - 1
+    first_token_step: int  # admit_step, unless its prompt took several steps (chunks) or the worker had it
     slot: int  # the slot it occupied
     token_times_s: list[float]  # seconds from the start of its arrival step to each of its tokens
 
 
+@dataclass
+class StepReport:
+    step: int
+    belt: str  # a character per slot: letter() of who made a token there, '~' a prompt not all in, '.' idle
+    n_running: int  # requests that made a token this step
+    n_prefilling: int  # requests in a slot whose prompt is not all in the cache yet
+    n_waiting: int  # arrived requests still queued
+    n_prompt_tokens: int  # prompt tokens that went through the model this step
+    admitted: list[int]  # request indices that took a slot this step
+    finished: list[tuple[int, Completion]]  # (request index, its completion)
+    model_s: float  # seconds in the forward pass and sampling, until the tokens were back
+    step_s: float  # seconds for the whole step, the scheduling around the model included
+    sampled: list[int]  # request indices that made a token, in the order of logits' rows
+    logits: torch.Tensor  # (R, V): the logits those tokens were sampled from
+    handed_over: list[int] = field(default_factory=list)  # Part 2: prompts the worker handed over this step
+    kv_bytes: int = 0  # bytes of keys and values the worker copied into their slots
+    kv_s: float = 0.0  # seconds those copies took, on the worker's side
+
+
 # ---------------------------------------------------------------------------------------------
-# Sampling and stopping, one rule each, shared by the engine and the sequential reference
+# Sampling and stopping: one rule each, shared by the engine and the sequential reference
 
 
 def new_sampler(request, device):
     """The request's own random generator: its draws never depend on its batch-mates."""
     generator = torch.Generator(device=device)
-    if request.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(request.seed)
+    generator.seed() if request.seed is None else generator.manual_seed(request.seed)
     return generator
 
 
 def sample(logits, request, generator):
-    """The next token id from one row of logits (V,), as a 0-d tensor on the logits' device: the
-    engine reads a whole step's tokens back at once, not one row at a time."""
+    """The next token from one row of logits (V,), as a 0-d tensor left on the logits' device."""
     if request.temperature == 0:
         return logits.argmax()
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # no softmax in 16 bits
@@ -107,8 +111,7 @@ def sample(logits, request, generator):
 
 
 def sample_step(logits, runs, device):
-    """The next token of each run, from its row of logits (R, V), as Python ints. They come back
-    from the device in one copy, the step's only wait for it, not in one wait per run."""
+    """Each run's next token from its row of logits (R, V), as ints read back in one copy: one wait."""
     if not runs:  # a step of mid-prompt chunks only: nothing to read back, but timings must be true
         synchronize(device)
         return []
@@ -116,8 +119,7 @@ def sample_step(logits, runs, device):
 
 
 def synchronize(device):
-    """Wait for the work this thread queued on the device: GPU work is queued, not done, when
-    Python moves on. Only this thread's stream: the prefill worker's stream goes its own pace."""
+    """Wait for what this thread queued on a GPU (queued, not done, when Python moves on): its stream only."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
@@ -134,95 +136,18 @@ def stop_reason(request, tokens, max_len, eos_id):
 
 
 # ---------------------------------------------------------------------------------------------
-# The attention mask, and packing a step's tokens into one forward
-
-
-def attention_mask(positions, L):
-    """(B, T, L) bool: a token may see position l of its own slot iff l <= its own position.
-
-    Each row reads one slot only, so requests never see each other; within a slot this one rule
-    is causal attention over exactly the slot's own prefix. What lies beyond (keys left by the
-    slot's previous occupant, 'x' below) is never seen. A step with three decoding slots and a
-    prompt chunk, 1 = visible. The one-token rows attend together over every slot's first L
-    positions, L the step's cut (3 here, for the picture's sake: attention_cut would not cut a belt
-    this short), and slot 1, longer, attends alone over its own slot, as a chunk does:
-
-      one-token rows, B = S = 4, T = 1, L = 3        slot 1 alone, B = 1, T = 1: its position 5
-      cache position   0 1 2                         cache position   0 1 2 3 4 5
-      slot 0, pos 2    1 1 1                                pos 5    1 1 1 1 1 1
-      slot 1, alone    1 0 0   dropped
-      slot 2, no row   1 0 0   dropped               a chunk in slot 2, B = 1, T = 3: the prompt's
-      slot 3, pos 0    1 0 0   (1.. hold x)          positions 3..5 (0..2 came in an earlier step)
-                                                     cache position   0 1 2 3 4 5
-                                                            pos 3    1 1 1 1 0 0
-                                                            pos 4    1 1 1 1 1 0
-                                                            pos 5    1 1 1 1 1 1
-    """
-    key_positions = torch.arange(L, device=positions.device)  # (L,)
-    return key_positions[None, None, :] <= positions[:, :, None]  # (B, T, L)
-
-
-def pack_step(work, padding_slots, n_slots, device):
-    """This step's work as one model.PackedStep, and the runs to sample, in the order of its logits.
-
-    work: [(run, the token ids it feeds)]. padding_slots: slots that feed a token nobody reads, and
-    get logits nobody samples from (static batching's finished rows). One-token rows come first, one
-    per slot, those no longer than the step's cut; then the rows that attend over their own slot
-    alone: the one-token rows past the cut, and the prompt chunks. The logits rows of the runs to
-    sample come first, then padding's.
-    """
-    one_token = [(run, run.slot, run.n_cached, ids) for run, ids in work if len(ids) == 1]
-    one_token += [(None, slot, 0, [0]) for slot in padding_slots]  # token 0 at position 0
-    cut = attention_cut([position + 1 for _, _, position, _ in one_token], n_slots, device)  # model.py
-    alone = [(run, slot, position, ids) for run, slot, position, ids in one_token if position + 1 > cut]
-    one_token = [(run, slot, position, ids) for run, slot, position, ids in one_token if position + 1 <= cut]
-    chunks = alone + [(run, run.slot, run.n_cached, ids) for run, ids in work if len(ids) > 1]  # each over its slot
-    tokens, positions, slots, logit_rows, padding_rows, to_sample = [], [], [], [], [], []
-    for run, slot, first_position, ids in one_token + chunks:
-        tokens += ids
-        positions += range(first_position, first_position + len(ids))
-        slots += [slot] * len(ids)
-        # A run samples once its feed has brought all it has (prompt and answer) into the cache:
-        # a decoding request every step, a prompt in the step that completes it.
-        if run is None:
-            padding_rows.append(len(tokens) - 1)
-        elif run.n_cached + len(ids) == len(run.request.prompt) + len(run.tokens):
-            logit_rows.append(len(tokens) - 1)
-            to_sample.append(run)
-    logit_rows += padding_rows
-    query_positions = [0] * n_slots  # each slot's one-token row's position (0 for a slot with none)
-    for _, slot, first_position, _ in one_token:
-        query_positions[slot] = first_position
-    # Every index of the step in one host-to-device copy. From ordinary memory the copy waits for
-    # the device, but the device has nearly nothing queued: the previous step ended by reading
-    # its tokens back.
-    M, R = len(tokens), len(logit_rows)
-    index = torch.tensor(tokens + positions + slots + query_positions + logit_rows, dtype=torch.long, device=device)
-    tokens_t, positions_t, slots_t, query_positions_t, logit_rows_t = index.split([M, M, M, n_slots, R])
-    one_token_mask = attention_mask(query_positions_t[:, None], max(query_positions) + 1)  # (S, 1, L)
-    chunk_masks, first_row = [], len(one_token)
-    for _, slot, first_position, ids in chunks:
-        rows = slice(first_row, first_row + len(ids))
-        mask = attention_mask(positions_t[rows][None], first_position + len(ids))[0]  # (T, L)
-        chunk_masks.append((rows, slot, mask))
-        first_row += len(ids)
-    packed = PackedStep(tokens_t, positions_t, slots_t, len(one_token), one_token_mask, chunk_masks, logit_rows_t)
-    return packed, to_sample
-
-
-# ---------------------------------------------------------------------------------------------
-# The loop's state, and its decisions
+# The per-slot state, and the loop's two decisions: who takes a slot, and what each slot feeds
 
 
 @dataclass
 class Running:
     """A request in a slot: the per-slot state the loop keeps."""
-    request_index: int  # position of the request in the caller's list
+    request_index: int  # its place in the caller's list
     request: Request
     slot: int
     sampler: torch.Generator
     admit_step: int
-    n_cached: int = 0  # tokens of prompt + answer whose keys and values are in the slot already
+    n_cached: int = 0  # tokens of prompt + answer in the slot's cache; decoding, all but the newest
     tokens: list[int] = field(default_factory=list)  # generated so far
     token_times_s: list[float] = field(default_factory=list)  # seconds from arrival to each token
     first_token_step: int | None = None
@@ -232,56 +157,17 @@ class Running:
         return self.n_cached < len(self.request.prompt)
 
 
-@dataclass
-class StepReport:
-    step: int
-    belt: str  # a character per slot: the letter of the request that made a token there, '~' for
-    #            one whose prompt is still going in, '.' for a slot doing no useful work
-    n_running: int  # requests that made a token this step
-    n_prefilling: int  # requests in a slot whose prompt is not all in the cache yet
-    n_waiting: int  # arrived requests still queued
-    n_prompt_tokens: int  # prompt tokens that went through the model this step
-    admitted: list[int]  # request indices that took a slot this step
-    finished: list[tuple[int, Completion]]  # (request index, its completion)
-    model_s: float  # seconds in the forward pass and sampling, until the tokens were back
-    step_s: float  # seconds for the whole step, the scheduling around the model included
-    sampled: list[int]  # request indices that made a token, in the order of logits' rows
-    logits: torch.Tensor  # (R, V): the logits those tokens were sampled from
-    handed_over: list[int] = field(default_factory=list)  # disaggregated: requests whose prompt the
-    #                        prefill worker handed over this step, their first token with it
-    kv_bytes: int = 0  # bytes of keys and values the worker copied into their slots
-    kv_s: float = 0.0  # seconds those copies took, on the worker's side
-
-
-def letter(request_index):
-    """The request's name on screen: A-Z, then a-z, then A again."""
-    letters = string.ascii_uppercase + string.ascii_lowercase
-    return letters[request_index % len(letters)]
-
-
-def belt_picture(belt):
-    """A character per slot: the request's letter, '~' while its prompt goes in, '.' when empty."""
-    return "".join("." if run is None else "~" if run.is_prefilling else letter(run.request_index)
-                   for run in belt)
-
-
 def slots_to_fill(belt, policy):
     """The free slots a waiting request may take now. The policies' one decision: continuous
     refills a slot the step after it frees up; static refills only an empty belt."""
     free = [slot for slot, run in enumerate(belt) if run is None]
-    if policy == "static" and len(free) < len(belt):
-        return []
-    return free
+    return [] if policy == "static" and len(free) < len(belt) else free
 
 
 def plan_step(belt, prefill_chunk):
-    """The tokens each request feeds this step: [(run, token ids)].
-
-    Decoding requests come first, each with its newest token: a prompt never delays them. Then the
-    prompts, first come first served, share a budget of prefill_chunk tokens (None: no limit); a
-    prompt that does not fit continues in the next steps (chunked prefill), so one long prompt
-    cannot stall the belt's decoding for long.
-    """
+    """The tokens each request feeds this step: [(run, token ids)]. Decoding requests first, each
+    its newest token: a prompt never delays them. Then the prompts, first come first served, share a
+    budget of prefill_chunk tokens (None: no limit); the rest goes on next step (chunked prefill)."""
     runs = sorted((run for run in belt if run is not None), key=lambda run: run.request_index)
     work = [(run, [run.tokens[-1]]) for run in runs if not run.is_prefilling]
     budget = math.inf if prefill_chunk is None else prefill_chunk
@@ -295,115 +181,72 @@ def plan_step(belt, prefill_chunk):
 
 
 # ---------------------------------------------------------------------------------------------
-# Disaggregated prefill: the prompts on hardware of their own
+# The mask, and packing a step's tokens into one forward
 
 
-@dataclass
-class Handover:
-    """What the prefill worker sends back once a request's keys and values are in its slot."""
-    run: Running  # the loop's own Running, whose slot was reserved at admission
-    token: int  # its first token, sampled by the worker with the request's own generator
-    logits: torch.Tensor  # (V,) the logits that token was sampled from
-    kv_bytes: int  # bytes of keys and values copied into the slot: the transfer
-    kv_s: float  # seconds the copy took (on a GPU, behind what the loop had queued before it)
+def attention_mask(positions, L):
+    """(B, T, L) bool: a token may see position l of its own slot iff l <= its own position.
+
+    Each row of queries reads one slot only, so requests never see each other, and within a slot
+    this one rule is causal attention over exactly the slot's own prefix: what lies beyond (keys a
+    previous occupant left, x below) is never seen. A step with slots 0, 1 and 3 decoding and a
+    prompt chunk going into slot 2; 1 = visible:
+
+      one-token rows: B = S = 4, T = 1, over every      a chunk in slot 2: B = 1, T = 3, the prompt's
+      slot's first L = 6 positions (the longest row's)  positions 3..5 (0..2 went in a step before)
+      cache position   0 1 2 3 4 5                      cache position   0 1 2 3 4 5
+      slot 0, pos 2    1 1 1 0 0 0   (3.. hold x)              pos 3     1 1 1 1 0 0
+      slot 1, pos 5    1 1 1 1 1 1                             pos 4     1 1 1 1 1 0
+      slot 2, no row   1 0 0 0 0 0   dropped                   pos 5     1 1 1 1 1 1
+      slot 3, pos 0    1 0 0 0 0 0   (1.. hold x)
+    """
+    key_positions = torch.arange(L, device=positions.device)  # (L,)
+    return key_positions[None, None, :] <= positions[:, :, None]  # (B, T, L)
 
 
-def prefill_device(device):
-    """The worker's device beside a loop on `device`: a second GPU if there is one, else `device`."""
-    n_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    return torch.device("cuda", (device.index + 1) % n_gpus) if n_gpus > 1 else device
-
-
-def split_threads(n_threads):
-    """A CPU's threads shared out: (the worker's, the decode loop's), at least one each."""
-    return max(1, n_threads // 2), max(1, n_threads - n_threads // 2)
-
-
-class PrefillWorker:
-    """The prefill machine: a thread of its own, started as a `with` block begins and joined as it
-    ends, however it ends. The loop keeps the calling thread and the model's device; the worker gets
-    a second GPU and a copy of the weights if there is one, else a CUDA stream of its own on the one
-    GPU (shared, then), or on a CPU half of torch's threads (each thread sets its own count; the
-    caller's is given back at the end). The loop sends a Running request whose slot it reserved;
-    the worker prefills the prompt into a cache of its own, samples the first token, copies the
-    keys and values into that slot, and sends back a Handover, or the exception that stopped it,
-    which the loop raises."""
-
-    def __init__(self, model, cache, max_len, prefill_chunk):
-        self.model, self.cache, self.max_len, self.prefill_chunk = model, cache, max_len, prefill_chunk
-        self.inbox, self.outbox = queue.Queue(), queue.Queue()  # Running (None: wake up); Handover or error
-        self.stopping, self.thread = threading.Event(), None
-        self.n_threads = torch.get_num_threads()  # the caller's setting, given back at the end
-
-    def __enter__(self):
-        device = self.model.lm_head.weight.device
-        worker_device, (worker_threads, loop_threads) = prefill_device(device), split_threads(self.n_threads)
-        model = self.model
-        if worker_device != device:  # the weights copied to the worker's GPU, built there
-            with torch.device(worker_device):
-                model = GPT(self.model.config).to(self.model.lm_head.weight.dtype).eval()
-            model.load_state_dict(self.model.state_dict())
-        # The worker's copy into a slot must come after the loop's last use of it (the clear of its
-        # previous occupant), which the loop queued on its own stream.
-        loop_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        if device.type == "cpu":
-            torch.set_num_threads(loop_threads)
-        self.thread = threading.Thread(target=self.prefill, args=(model, worker_threads, loop_stream), daemon=True,
-                                       name="nanobatch prefill worker")
-        self.thread.start()
-        return self
-
-    def prefill(self, model, n_threads, loop_stream):  # the worker's thread
-        try:
-            device = model.lm_head.weight.device
-            if device.type == "cpu":
-                torch.set_num_threads(n_threads)
-            stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-            on_own_stream = torch.cuda.stream(stream) if stream is not None else nullcontext()
-            with torch.no_grad(), on_own_stream:  # no_grad and the current stream are set per thread
-                # One slot, the prompt in hand. It needs no wiping between prompts: a prompt on a belt of
-                # one attends over its own positions only, and writes each before it reads it.
-                own_cache = model.new_cache(1, self.max_len)
-                while (run := self.inbox.get()) is not None and not self.stopping.is_set():
-                    here = Running(run.request_index, run.request, slot=0, sampler=run.sampler,
-                                   admit_step=run.admit_step)
-                    while here.is_prefilling:  # the loop's own plan, on a belt of one: prefill_chunk a forward
-                        packed, _ = pack_step(plan_step([here], self.prefill_chunk), [], 1, device)
-                        logits = model.forward_packed(packed, own_cache)  # (1, V) once the prompt is in
-                        here.n_cached += len(packed.tokens)
-                    logits = logits[0].to(self.cache.kv.device)  # (V,)
-                    token = sample(logits, run.request, run.sampler).item()
-                    start = time.perf_counter()
-                    if stream is not None:
-                        stream.wait_stream(loop_stream)
-                    kv_bytes = own_cache.send(0, here.n_cached, to=self.cache, to_slot=run.slot)  # the transfer
-                    synchronize(device)
-                    self.outbox.put(Handover(run, token, logits, kv_bytes, time.perf_counter() - start))
-        except BaseException as error:  # carried to the loop, which raises it with this traceback
-            self.outbox.put(error)
-
-    def send(self, run):
-        self.inbox.put(run)
-
-    def receive(self, wait):
-        """The Handovers sent since the last call; with wait, at least one (the loop is idle)."""
-        handovers = [self.outbox.get()] if wait else []
-        while not self.outbox.empty():  # the loop is the only reader
-            handovers.append(self.outbox.get())
-        for handover in handovers:
-            if isinstance(handover, BaseException):
-                raise handover
-            if handover.logits.is_cuda:  # made on the worker's stream, read on the loop's: tell the allocator
-                handover.logits.record_stream(torch.cuda.current_stream(handover.logits.device))
-        return handovers
-
-    def __exit__(self, *exception):
-        self.stopping.set()  # the prompts not started are dropped: the worker stops after the one in hand
-        self.inbox.put(None)  # wakes it if it waits for a prompt
-        try:
-            self.thread.join()
-        finally:
-            torch.set_num_threads(self.n_threads)
+def pack_step(work, padding_slots, n_slots, device):
+    """work, [(run, the token ids it feeds)], as one model.PackedStep -> it, and the runs due a token
+    in its logits' order. padding_slots feed token 0 at position 0 for no one (static batching's
+    finished rows; finite keys, seen by no other row). One-token rows, at most one a slot, attend
+    together in one call over every slot; chunks (a prompt's tokens) each in a call of their own."""
+    rows = [(run, run.slot, run.n_cached, ids) for run, ids in work]  # (run, slot, first position, ids)
+    rows += [(None, slot, 0, [0]) for slot in padding_slots]
+    # The attention cut (model.py; on a first read, take it as the longest row): a one-token row past
+    # it attends alone, as a chunk of one token, so that one long row does not make every slot read as far.
+    cut = attention_cut([position + 1 for _, _, position, ids in rows if len(ids) == 1], n_slots, device)
+    one_token = [(run, slot, position, ids) for run, slot, position, ids in rows if len(ids) == 1 and position < cut]
+    chunks = [(run, slot, position, ids) for run, slot, position, ids in rows if len(ids) > 1 or position >= cut]
+    tokens, positions, slots, logit_rows, padding_rows, to_sample = [], [], [], [], [], []
+    for run, slot, first_position, ids in one_token + chunks:
+        tokens += ids
+        positions += range(first_position, first_position + len(ids))
+        slots += [slot] * len(ids)
+        # A run samples once its feed brings all it has into the cache: a decoding run every step,
+        # a prompt in the step that completes it.
+        if run is None:
+            padding_rows.append(len(tokens) - 1)
+        elif first_position + len(ids) == len(run.request.prompt) + len(run.tokens):
+            logit_rows.append(len(tokens) - 1)
+            to_sample.append(run)
+    query_positions = [0] * n_slots  # each slot's one-token row's position; 0 for a slot with none, whose
+    #                                  dummy query then sees one key (a row that sees none gives NaN)
+    for _, slot, position, _ in one_token:
+        query_positions[slot] = position
+    # Every index of the step in one host-to-device copy. From ordinary memory the copy waits for
+    # the device, which has nearly nothing queued: the previous step ended by reading its tokens back.
+    logit_rows += padding_rows  # the sampled runs' rows first: the loop drops padding's logits
+    M, R = len(tokens), len(logit_rows)
+    index = torch.tensor(tokens + positions + slots + query_positions + logit_rows, dtype=torch.long, device=device)
+    tokens_t, positions_t, slots_t, query_positions_t, logit_rows_t = index.split([M, M, M, n_slots, R])
+    one_token_mask = attention_mask(query_positions_t[:, None], cut)  # (S, 1, L), L the cut
+    chunk_masks, first_row = [], len(one_token)
+    for _, slot, first_position, ids in chunks:
+        chunk_rows = slice(first_row, first_row + len(ids))
+        mask = attention_mask(positions_t[chunk_rows][None], first_position + len(ids))[0]  # (T, L): to its last
+        chunk_masks.append((chunk_rows, slot, mask))
+        first_row += len(ids)
+    packed = PackedStep(tokens_t, positions_t, slots_t, len(one_token), one_token_mask, chunk_masks, logit_rows_t)
+    return packed, to_sample
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,17 +255,14 @@ class PrefillWorker:
 
 def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="continuous",
              prefill_chunk=None, on_step=None, disaggregate=False):
-    """Serve every request through a belt of n_slots; returns their Completions in request order.
+    """Serve every request through a belt of n_slots -> their Completions, in request order.
 
-    max_len: positions per slot (default: the model's block_size). eos_id=None: never stop on EOS.
-    prefill_chunk: at most this many prompt tokens enter a step (None: whole prompts at once).
-    on_step: called with a StepReport after every step (the library itself prints nothing).
-    disaggregate: a PrefillWorker prefills every prompt and the loop only decodes; prefill_chunk is
-    then the most prompt tokens in one forward of the worker.
-    """
+    max_len: positions per slot (default: block_size). eos_id=None: never stop on EOS. prefill_chunk:
+    at most this many prompt tokens enter a step (None: whole prompts). on_step: called with a
+    StepReport after every step. disaggregate: a PrefillWorker (Part 2) prefills every prompt, the
+    loop only decodes; prefill_chunk is then the most prompt tokens in one forward of the worker."""
     max_len = model.config.block_size if max_len is None else max_len
-    requests = check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk=prefill_chunk,
-                               disaggregate=disaggregate)  # below the loop: all refused before any work
+    requests = check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk, disaggregate)
     device = model.lm_head.weight.device
     cache = model.new_cache(n_slots, max_len)  # the only large allocation, reused by every request
     pending = deque(sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i)))
@@ -430,8 +270,8 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
     belt = [None] * n_slots  # belt[slot]: the Running request in that slot, or None
     completions, arrived_at = [None] * len(requests), [None] * len(requests)  # arrived_at: wall time
     step, n_done = 0, 0
-    prefill = PrefillWorker(model, cache, max_len, prefill_chunk) if disaggregate else nullcontext()
-    with torch.no_grad(), prefill as worker:  # worker: None unless disaggregated
+    worker = PrefillWorker(model, cache, max_len, prefill_chunk) if disaggregate else None  # Part 2
+    with torch.no_grad(), worker or nullcontext():
         while n_done < len(requests):
             # 0) Nothing running and nothing waiting: jump the clock to the next arrival.
             if all(run is None for run in belt) and not waiting:
@@ -441,45 +281,40 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
             while pending and requests[pending[0]].arrival <= step:
                 arrived_at[pending[0]] = step_start
                 waiting.append(pending.popleft())
-            # 2) Admit waiting requests into free slots; their prompts go in from this step on, or to
-            #    the worker, the slot reserved for them until it hands their keys and values over.
+            # 2) Admit waiting requests into free slots (Part 2: the prompt goes to the worker, the slot reserved).
             admitted = []
             for slot in slots_to_fill(belt, policy)[:len(waiting)]:
                 i = waiting.popleft()
                 belt[slot] = Running(i, requests[i], slot, new_sampler(requests[i], device), admit_step=step)
                 admitted.append(i)
-                if worker is not None:
-                    worker.send(belt[slot])
-            # 3) Choose the step's tokens; with a worker, no prompt token (a budget of 0). Static
-            #    batching runs its batch at a fixed size, as a padded batch does: a finished
-            #    request's row still costs a row (a padding token, its logits included) until its
-            #    whole batch is done. Continuous computes no empty rows.
-            work = plan_step(belt, 0 if worker is not None else prefill_chunk)
-            n_prompt_tokens = sum(len(ids) for run, ids in work if run.is_prefilling)
+                if worker:
+                    worker.inbox.put(belt[slot])
+            # 3) Choose the step's tokens (with a worker, no prompt token) and pack them. Static
+            #    batching, as a padded batch does, still computes a row for each finished request.
+            work = plan_step(belt, 0 if worker else prefill_chunk)
             padding_slots = [s for s, run in enumerate(belt) if run is None] if policy == "static" else []
-            # 4) One forward over all of them; a new token for every run that is due one.
             packed, to_sample = pack_step(work, padding_slots, n_slots, device)
+            n_prompt_tokens = sum(len(ids) for run, ids in work if run.is_prefilling)  # before n_cached moves on
+            for run, ids in work:
+                run.n_cached += len(ids)  # the forward below writes them
+            # 4) One forward over all of them; a token for every run due one.
             model_start = time.perf_counter()
             if work:
                 logits = model.forward_packed(packed, cache)[:len(to_sample)]  # (R, V): padding's rows dropped
                 new_tokens = sample_step(logits, to_sample, device)
-            else:  # disaggregated, with nothing to decode yet: the loop waits for the worker below
+            else:  # Part 2: nothing to decode yet, so the loop waits for the worker in 4b
                 logits, new_tokens = cache.kv.new_empty(0, model.config.vocab_size), []
             model_s = time.perf_counter() - model_start
-            for run, ids in work:
-                run.n_cached += len(ids)
-            # 4b) The prompts the worker has handed over, their keys and values in their slots: each
-            #     makes its first token in this step, and decodes from the next. Nothing to decode
-            #     this step: the loop waits for one.
-            handovers = worker.receive(wait=not work) if worker is not None else []
+            # 4b) Part 2: prompts the worker handed over, in their slots, each with its first token.
+            handovers = worker.receive(wait=not work) if worker else []
             for handover in handovers:
                 handover.run.n_cached = len(handover.run.request.prompt)
                 to_sample.append(handover.run)
                 new_tokens.append(handover.token)
             if handovers:
                 logits = torch.cat([logits, torch.stack([handover.logits for handover in handovers])])  # (R, V)
-            now = time.perf_counter()
-            finished = []
+            # 5) Each new token joins its answer, which ends here or goes on.
+            now, finished = time.perf_counter(), []
             for run, token in zip(to_sample, new_tokens):
                 run.tokens.append(token)
                 run.token_times_s.append(now - arrived_at[run.request_index])
@@ -491,19 +326,21 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
                         ttft_s=run.token_times_s[0], latency_s=run.token_times_s[-1],
                         first_token_step=run.first_token_step, slot=run.slot, token_times_s=run.token_times_s)
                     finished.append(run)
-            # 5) Report the step: the belt as it ran, and who came and went.
+            # 6) Report the step: the belt as it ran, and who came and went.
             if on_step is not None:
                 on_step(StepReport(
-                    step=step, belt=belt_picture(belt), n_running=len(to_sample),
+                    step=step, n_running=len(to_sample), n_waiting=len(waiting),
+                    belt="".join("." if run is None else "~" if run.is_prefilling else letter(run.request_index)
+                                 for run in belt),
                     n_prefilling=sum(run is not None and run.is_prefilling for run in belt),
-                    n_waiting=len(waiting), n_prompt_tokens=n_prompt_tokens, admitted=admitted,
+                    n_prompt_tokens=n_prompt_tokens, admitted=admitted,
                     finished=[(run.request_index, completions[run.request_index]) for run in finished],
                     model_s=model_s, step_s=time.perf_counter() - step_start,
                     sampled=[run.request_index for run in to_sample], logits=logits,
                     handed_over=[handover.run.request_index for handover in handovers],
                     kv_bytes=sum(handover.kv_bytes for handover in handovers),
                     kv_s=sum(handover.kv_s for handover in handovers)))
-            # 6) Retire finished requests: wipe what each wrote, and its slot is free next step.
+            # 7) Retire finished requests: wipe what each wrote (see KVCache.clear); the slot is free.
             for run in finished:
                 cache.clear(run.slot, run.n_cached)
                 belt[run.slot] = None
@@ -513,9 +350,8 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
 
 
 def generate_sequential(model, requests, *, max_len=None, eos_id=EOT):
-    """The reference: one request at a time, the plain no-cache forward over the whole sequence
-    for every token. Slow (quadratic) and plainly right. Its clock counts steps as a one-slot belt
-    with whole prompts would: one token per step, requests first come, first served."""
+    """The reference: one request at a time, the plain no-cache forward over the whole sequence for
+    every token, slow and plainly right. Its steps count as a one-slot belt's: one token each."""
     max_len = model.config.block_size if max_len is None else max_len
     requests = check_arguments(model, requests, 1, max_len, eos_id, "continuous")
     device = model.lm_head.weight.device
@@ -535,59 +371,137 @@ def generate_sequential(model, requests, *, max_len=None, eos_id=EOT):
                 token_times_s.append(time.perf_counter() - arrived_at[i])
                 reason = stop_reason(request, tokens, max_len, eos_id)
                 step += 1
-            completions[i] = Completion(tokens, reason, admit_step, step - 1, token_times_s[0], token_times_s[-1],
-                                        admit_step, 0, token_times_s)
+            completions[i] = Completion(
+                tokens=tokens, finish_reason=reason, admit_step=admit_step, finish_step=step - 1,
+                ttft_s=token_times_s[0], latency_s=token_times_s[-1], first_token_step=admit_step, slot=0,
+                token_times_s=token_times_s)
     return completions
 
 
 # ---------------------------------------------------------------------------------------------
-# Checking the input before any work, so that nothing fails halfway: the forms people really
-# pass are accepted and turned into plain Python types; everything else is a ValueError that
-# names the field.
+# Part 2, disaggregated prefill: the prompts on hardware of their own
+#
+# Two actors, one queue in and one out. The loop (the calling thread, the model's device) admits a
+# request, reserves its slot and sends it. The worker (a second GPU with a copy of the weights, else
+# a CUDA stream of its own, else half the CPU's threads) prefills the prompt into a cache of its own,
+# samples the first token, copies the keys and values into the slot and sends back a Handover, or
+# the exception that stopped it, which the loop raises. generate's `with` block starts and joins it.
 
 
-def shown(value):
-    """value's repr, cut to a few dozen characters: an error message never echoes a whole prompt."""
-    return reprlib.repr(value)
+@dataclass
+class Handover:
+    """What the worker sends back once a request's keys and values are in its slot."""
+    run: Running  # the loop's own Running, its slot reserved at admission
+    token: int  # its first token, sampled with the request's own generator
+    logits: torch.Tensor  # (V,) the logits that token was sampled from
+    kv_bytes: int  # bytes of keys and values copied into the slot: the transfer
+    kv_s: float  # seconds the copy took (on a GPU, behind what the loop had queued before it)
+
+
+class PrefillWorker:
+    def __init__(self, model, cache, max_len, prefill_chunk):
+        self.model, self.cache, self.max_len, self.prefill_chunk = model, cache, max_len, prefill_chunk
+        self.inbox, self.outbox = queue.Queue(), queue.Queue()  # Running (None: wake up); Handover or error
+        self.stopping = threading.Event()
+        self.n_threads = torch.get_num_threads()  # the caller's setting, given back at the end
+
+    def prefill(self, model, stream, n_threads):  # the worker's thread: its whole story
+        try:
+            device = model.lm_head.weight.device
+            torch.set_num_threads(n_threads)
+            with torch.no_grad(), torch.cuda.stream(stream):  # both are set per thread
+                # One slot, the prompt in hand; never wiped: a prompt writes each position before it reads it.
+                own_cache = model.new_cache(1, self.max_len)
+                while (run := self.inbox.get()) is not None and not self.stopping.is_set():
+                    here = Running(run.request_index, run.request, slot=0, sampler=None, admit_step=run.admit_step)
+                    while here.is_prefilling:  # the loop's own plan and packing, on a belt of one
+                        work = plan_step([here], self.prefill_chunk)
+                        logits = model.forward_packed(pack_step(work, [], 1, device)[0], own_cache)  # (1, V) at the end
+                        here.n_cached += len(work[0][1])
+                    logits = logits[0].to(self.cache.kv.device)  # (V,)
+                    token = sample(logits, run.request, run.sampler).item()
+                    start = time.perf_counter()
+                    if stream:  # after the loop's last use of the slot: the clear of its previous occupant
+                        stream.wait_stream(self.loop_stream)
+                    kv_bytes = own_cache.send(0, here.n_cached, to=self.cache, to_slot=run.slot)  # the transfer
+                    synchronize(device)
+                    self.outbox.put(Handover(run, token, logits, kv_bytes, time.perf_counter() - start))
+        except BaseException as error:  # carried to the loop, which raises it with this traceback
+            self.outbox.put(error)
+
+    def __enter__(self):  # hardware for each side, then the thread
+        device = self.cache.kv.device
+        worker_device, model = prefill_device(device), self.model
+        if worker_device != device:  # a second GPU: a copy of the weights, built there
+            with torch.device(worker_device):
+                model = GPT(self.model.config).to(self.model.lm_head.weight.dtype).eval()
+            model.load_state_dict(self.model.state_dict())
+        self.loop_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        stream = torch.cuda.Stream(worker_device) if worker_device.type == "cuda" else None
+        n_worker, n_loop = split_threads(self.n_threads) if device.type == "cpu" else (self.n_threads,) * 2
+        torch.set_num_threads(n_loop)  # each thread sets its own; the worker's in its thread
+        self.thread = threading.Thread(target=self.prefill, args=(model, stream, n_worker), daemon=True,
+                                       name="nanobatch prefill worker")
+        self.thread.start()
+        return self
+
+    def receive(self, wait):
+        """The Handovers sent since the last call; with wait, at least one (the loop is idle)."""
+        handovers = [self.outbox.get()] if wait else []
+        while not self.outbox.empty():  # the loop is the only reader
+            handovers.append(self.outbox.get())
+        for handover in handovers:
+            if isinstance(handover, BaseException):
+                raise handover
+            if handover.logits.is_cuda:  # made on the worker's stream, read on the loop's: tell the allocator
+                handover.logits.record_stream(torch.cuda.current_stream(handover.logits.device))
+        return handovers
+
+    def __exit__(self, *exception):
+        self.stopping.set()  # prompts not started are dropped: the worker stops after the one in hand
+        self.inbox.put(None)  # wakes it if it waits for a prompt
+        try:
+            self.thread.join()
+        finally:
+            torch.set_num_threads(self.n_threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking the input before any work, so that nothing fails halfway: the forms people really pass
+# are turned into plain Python types; everything else is a ValueError that names the field.
 
 
 def is_int(value):
-    """True for an int or a numpy integer. False for a bool, though Python counts it as an int
+    """True for an int or a numpy integer; False for a bool, though Python counts it as an int
     (True + True == 2): a bool where a count or a token id belongs is a mistake, not a 1."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def is_real(value):
-    """True for an int, a float or a numpy float; False for a bool, as in is_int."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def checked_int(value, name, lowest, highest=None, *, may_be_none=False):
-    """value as a plain int in lowest..highest (highest None: no upper bound), or a ValueError
-    naming the field."""
+    """value as a plain int in lowest..highest (highest None: no bound), or a ValueError naming it."""
     if value is None and may_be_none:
         return None
     if not (is_int(value) and lowest <= value and (highest is None or value <= highest)):
         bounds = f">= {lowest}" if highest is None else f"in {lowest}..{highest}"
         raise ValueError(f"{name} must be an int {bounds}{' or None' if may_be_none else ''}, "
-                         f"got {shown(value)}")
+                         f"got {reprlib.repr(value)}")
     return int(value)
 
 
 def checked_temperature(value, name):
     """value as a plain float, finite and >= 0, or a ValueError naming the field."""
     try:
-        temperature = float(value) if is_real(value) else math.nan
+        is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        temperature = float(value) if is_real else math.nan
     except OverflowError:  # an int too large for any float
         temperature = math.inf
     if not 0 <= temperature < math.inf:  # NaN fails every comparison
-        raise ValueError(f"{name} must be a real number, finite and >= 0, got {shown(value)}")
+        raise ValueError(f"{name} must be a real number, finite and >= 0, got {reprlib.repr(value)}")
     return temperature
 
 
 def token_ids(prompt, name, vocab_size):
-    """The prompt as a plain list[int], or a ValueError naming the field. Any 1-D sequence of
-    integer ids will do: a list, a tuple, a 1-D tensor or numpy array of an integer dtype."""
+    """The prompt as a plain list[int]: a list, a tuple, a 1-D integer tensor or numpy array will do."""
     if isinstance(prompt, (str, bytes)):
         raise ValueError(f"{name} must be token ids, got a {type(prompt).__name__}: encode the text first")
     if hasattr(prompt, "tolist"):  # a tensor or a numpy array: tolist() gives its ids as Python numbers
@@ -599,11 +513,10 @@ def token_ids(prompt, name, vocab_size):
         raise ValueError(f"{name} must be a 1-D sequence of int token ids, got {type(prompt).__name__}")
     if len(prompt) == 0:
         raise ValueError(f"{name} is empty: it needs at least one token id")
-    for index, token in enumerate(prompt):
-        # A float tensor's ids come out of tolist() as floats, a bool tensor's as bools: refused here.
+    for index, token in enumerate(prompt):  # a float tensor's ids come out as floats, a bool one's as bools
         if not is_int(token):
             raise ValueError(f"{name} must be a 1-D sequence of int token ids, but index {index} holds "
-                             f"{shown(token)}, a {type(token).__name__}")
+                             f"{reprlib.repr(token)}, a {type(token).__name__}")
         if not 0 <= token < vocab_size:
             raise ValueError(f"{name} has token id {token} (at index {index}), outside the vocabulary "
                              f"0..{vocab_size - 1}")
@@ -613,32 +526,27 @@ def token_ids(prompt, name, vocab_size):
 SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes (a negative seed wraps around)
 
 
-def check_arguments(model, requests, n_slots, max_len, eos_id, policy, *, prefill_chunk=None, disaggregate=False):
-    """Reject, before any work, everything that could not be served: nothing fails halfway.
-
-    Returns the requests as a new list of checked copies in plain Python types: each prompt a
-    list[int], each number an int or a float, whatever sequence or numeric type the caller used.
-    The caller's Request objects are left as they were. prefill_chunk: None, or the most prompt
-    tokens that may enter one step (or one forward of the prefill worker)."""
+def check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk=None, disaggregate=False):
+    """Reject, before any work, everything that could not be served -> the requests as new, checked
+    copies in plain Python types (the caller's are left as they were)."""
     V, block_size = model.config.vocab_size, model.config.block_size
     if not (isinstance(policy, str) and policy in POLICIES):
-        raise ValueError(f"policy must be one of {POLICIES}, got {shown(policy)}")
+        raise ValueError(f"policy must be one of {POLICIES}, got {reprlib.repr(policy)}")
     checked_int(n_slots, "n_slots", 1)
     if not (is_int(max_len) and 2 <= max_len <= block_size):
         raise ValueError(f"max_len must be an int in 2..{block_size} (the model's block_size), "
-                         f"got {shown(max_len)}")
+                         f"got {reprlib.repr(max_len)}")
     checked_int(eos_id, "eos_id", 0, V - 1, may_be_none=True)
     checked_int(prefill_chunk, "prefill_chunk", 1, may_be_none=True)
     if not isinstance(disaggregate, bool):
-        raise ValueError(f"disaggregate must be True or False, got {shown(disaggregate)}")
+        raise ValueError(f"disaggregate must be True or False, got {reprlib.repr(disaggregate)}")
     if disaggregate and policy == "static":
         raise ValueError("disaggregate=True needs policy='continuous': a static batch prefills its prompts "
                          "together as it starts, with no stream of prompts for a prefill worker to take")
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
         raise ValueError(f"requests must be an iterable of Request, got {type(requests).__name__}")
-    requests = list(requests)  # read once: a generator would be used up by the checks below
     checked = []
-    for i, r in enumerate(requests):
+    for i, r in enumerate(requests):  # read once: a generator is used up by it
         if not isinstance(r, Request):
             raise ValueError(f"requests[{i}] must be a Request, got {type(r).__name__}")
         prompt = token_ids(r.prompt, f"requests[{i}].prompt", V)
@@ -656,7 +564,7 @@ def check_arguments(model, requests, n_slots, max_len, eos_id, policy, *, prefil
 
 
 # ---------------------------------------------------------------------------------------------
-# Measuring and showing: shared by --demo, --prompt and --bench
+# The figures of a run, and the belt on screen: for --demo, --prompt and tools/bench.py
 
 
 def percentile(values, q):
@@ -702,8 +610,7 @@ def summarize(requests, completions, reports, wall_s):
         return (percentile(values, 50), percentile(values, 99)) if values else None
 
     n_tokens = sum(report.n_running for report in reports)
-    gaps_ms = [1e3 * (later - earlier) for _, c in done
-               for earlier, later in zip(c.token_times_s, c.token_times_s[1:])]
+    gaps_ms = [1e3 * (later - earlier) for _, c in done for earlier, later in zip(c.token_times_s, c.token_times_s[1:])]
     return {
         "steps": len(reports),
         "generated tokens": n_tokens,
@@ -718,7 +625,7 @@ def summarize(requests, completions, reports, wall_s):
         "TTFT P50/P99 (steps)": p50_p99([c.first_token_step - r.arrival + 1 for r, c in done]),
         "TTFT P50/P99 (s)": p50_p99([c.ttft_s for _, c in done]),
         "TBT P50/P99 (ms)": p50_p99(gaps_ms),
-        "slowest step (ms)": max(gaps_ms, default=None),  # a step that no decoding request waited for is no pause
+        "slowest step (ms)": max(gaps_ms, default=None),  # a step no decoding request waited for is no pause
         "time outside the model": 1 - sum(report.model_s for report in reports) / wall_s,
         "KV moved (MB / ms)": ((sum(report.kv_bytes for report in reports) / 1e6,
                                 1e3 * sum(report.kv_s for report in reports))
@@ -746,6 +653,12 @@ def print_table(summaries, legend=False):
         print("\n" + "\n".join(f"{row}: {meaning}" for row, meaning in LEGEND.items()))
 
 
+def letter(request_index):
+    """The request's name on screen: A-Z, then a-z, then A again."""
+    letters = string.ascii_uppercase + string.ascii_lowercase
+    return letters[request_index % len(letters)]
+
+
 def print_step(report):
     """One line per step; read down the screen, the columns are the belt moving."""
     events = [f"+{letter(i)}" for i in report.admitted] + [f">{letter(i)}" for i in report.handed_over]
@@ -755,168 +668,13 @@ def print_step(report):
 
 
 # ---------------------------------------------------------------------------------------------
-# The belt as a picture: an SVG panel per run, steps along x, slots along y
-
-
-SVG_WIDTH, LEFT, RIGHT = 1200, 44, 16  # px: fits a laptop screen; LEFT holds the margin's labels
-TITLE_H, GAP, STRIP_H, AXIS_H = 26, 6, 24, 30  # px: a panel's title, belt-to-strip gap, strip, axis
-STEP_TIMES_H, SCALE_W = 40, 40  # px: the strip of step durations, and room right of it for its scale
-STEP_COLOUR = "#c0392b"  # a step's duration, red: a stall must stand out
-HATCH = ('<pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform='
-         '"rotate(45)"><rect width="3" height="6" fill="white" fill-opacity="0.6"/></pattern>')
-
-
-def tag(name, content="", **attributes):
-    """One SVG element as text: class_ -> class (a Python keyword), data_slot -> data-slot, floats
-    to 0.01 px. content is markup already, so callers escape their text."""
-    def value(v):
-        return str(round(v, 2) if isinstance(v, float) else v)
-
-    attrs = "".join(f" {key.rstrip('_').replace('_', '-')}={quoteattr(value(v))}"
-                    for key, v in attributes.items())
-    content = str(content)  # a number (slot, step) is text too
-    return f"<{name}{attrs}>{content}</{name}>" if content else f"<{name}{attrs}/>"
-
-
-def margin_label(text, y):
-    """Grey text in the left margin, right-aligned against the belt: slot numbers, 'busy', 'step'."""
-    return tag("text", text, x=LEFT - 8, y=y, font_size=10, fill="#555", text_anchor="end",
-               dominant_baseline="central")
-
-
-def colour(request_index):
-    """A request's colour, the same in every panel: hues a golden angle (137.5 degrees) apart, so
-    that requests close in the queue, which often sit side by side, never look alike."""
-    return f"hsl({request_index * 137.508 % 360:.0f}, 70%, 65%)"
-
-
-def every(px_per_unit, min_gap_px, choices):
-    """The first of choices (in steps or slots) whose labels stand min_gap_px apart, or the last."""
-    return next((c for c in choices if c * px_per_unit >= min_gap_px), choices[-1])
-
-
-def stay_svg(i, c, step_w, row_h):
-    """Request i's stay in its slot: a bar from its admit step to its last token, its prefill-only
-    steps hatched over, its letter if the bar has room for one, and a tooltip on hover."""
-    x, y, height = LEFT + c.admit_step * step_w, TITLE_H + c.slot * row_h, row_h - 1  # 1 px between rows
-    width, n_prefill_steps = (c.finish_step - c.admit_step + 1) * step_w, c.first_token_step - c.admit_step
-    tip = f"request {letter(i)}, slot {c.slot}: steps {c.admit_step}-{c.finish_step}, {len(c.tokens)} tokens"
-    if n_prefill_steps:
-        tip += f"; prompt prefilled in steps {c.admit_step}-{c.first_token_step - 1}"
-    parts = [tag("title", escape(tip)),
-             tag("rect", class_="stay", data_request=i, data_slot=c.slot, data_admit=c.admit_step,
-                 data_finish=c.finish_step, x=x, y=y, width=width, height=height, fill=colour(i),
-                 stroke="white", stroke_width=0.5)]  # the white edge parts two stays that touch
-    if n_prefill_steps:
-        parts.append(tag("rect", class_="prefill", data_request=i, x=x, y=y, width=n_prefill_steps * step_w,
-                         height=height, fill="url(#hatch)"))
-    font_px = min(12, row_h - 4)
-    if font_px >= 7 and width >= font_px:  # 64 slots, or a 1-step stay: colour and tooltip must do
-        parts.append(tag("text", letter(i), x=x + width / 2, y=y + height / 2, font_size=font_px,
-                         text_anchor="middle", dominant_baseline="central"))
-    return tag("g", "".join(parts))
-
-
-def panel_svg(title, n_slots, completions, summary, step_times, step_w, n_axis_steps, longest_s, top):
-    """One run, drawn from y = top down: its title, a belt of n_slots rows, the occupancy strip, the
-    step durations if step_times are given ([(step, seconds, whether a request decoded in it)], a
-    bar each, longest_s the full height), and the step axis -> (its SVG, where the next begins)."""
-    done = [(i, c) for i, c in enumerate(completions) if c is not None]  # None: did not finish
-    n_steps = max((c.finish_step + 1 for _, c in done), default=0)
-    row_h = min(22, max(6, 360 / n_slots))  # 8 slots: roomy rows; 64: thin ones, 384 px in all
-    belt_h = n_slots * row_h
-    heading = (f"{title}, {n_slots} slots: {summary['steps']} steps, {summary['tokens/s']:.1f} tokens/s, "
-               f"TTFT P50 {summary['TTFT P50/P99 (steps)'][0]:g} steps")
-    if step_times:
-        heading += f", TBT P99 {summary['TBT P50/P99 (ms)'][1]:.0f} ms"
-    parts = [tag("text", escape(heading), x=8, y=18, font_size=15, font_weight="bold"),
-             tag("rect", x=LEFT, y=TITLE_H, width=n_steps * step_w, height=belt_h, fill="#eee")]  # idle
-    parts += [margin_label(slot, TITLE_H + (slot + 0.5) * row_h)
-              for slot in range(0, n_slots, every(row_h, 14, (1, 2, 4, 8, 16)))]
-    parts += [stay_svg(i, c, step_w, row_h) for i, c in done]
-    # The strip: at each step, the share of slots holding a request, prefilling or decoding.
-    strip_top = TITLE_H + belt_h + GAP
-    parts += [margin_label("busy", strip_top + STRIP_H / 2),
-              tag("rect", x=LEFT, y=strip_top, width=n_steps * step_w, height=STRIP_H, fill="#eee")]
-    for step in range(n_steps):
-        bar_h = STRIP_H * sum(c.admit_step <= step <= c.finish_step for _, c in done) / n_slots
-        parts.append(tag("rect", class_="occupancy", x=LEFT + step * step_w, y=strip_top + STRIP_H - bar_h,
-                         width=step_w, height=bar_h, fill="#666", shape_rendering="crispEdges"))
-    # The step durations: a bar per step, so that a stall stands out.
-    axis_y = strip_top + STRIP_H + 4
-    if step_times:
-        times_top = strip_top + STRIP_H + GAP
-        parts += [margin_label("ms", times_top + STEP_TIMES_H / 2),
-                  tag("rect", x=LEFT, y=times_top, width=n_steps * step_w, height=STEP_TIMES_H, fill="#eee")]
-        for step, seconds, decoded in step_times:  # grey: prompts only, or waiting for the worker
-            bar_h = STEP_TIMES_H * seconds / longest_s
-            parts.append(tag("rect", class_="step-time", data_step=step, data_ms=f"{1e3 * seconds:.1f}",
-                             x=LEFT + step * step_w, y=times_top + STEP_TIMES_H - bar_h, width=step_w, height=bar_h,
-                             fill=STEP_COLOUR if decoded else "#bbb", shape_rendering="crispEdges"))
-        parts.append(tag("text", f"{1e3 * longest_s:.0f} ms", x=LEFT + n_axis_steps * step_w + 4, y=times_top + 8,
-                         font_size=10, fill="#555"))  # the scale: a bar of the full height
-        axis_y = times_top + STEP_TIMES_H + 4
-    # The step axis, the same in every panel of a group.
-    parts.append(margin_label("step", axis_y + 8))
-    for step in range(0, n_axis_steps + 1, every(step_w, 50, (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))):
-        x = LEFT + step * step_w
-        parts += [tag("line", x1=x, x2=x, y1=axis_y - 4, y2=axis_y, stroke="#555"),
-                  tag("text", step, x=x, y=axis_y + 12, font_size=10, fill="#555", text_anchor="middle")]
-    return tag("g", "".join(parts), class_="panel", data_title=title, data_step_width=repr(step_w),
-               transform=f"translate(0, {top})"), top + axis_y + AXIS_H
-
-
-def legend_svg(has_step_times):
-    """Above the panels, what the marks mean, on as many lines as it takes -> (its SVG, its height)."""
-    keys = [([colour(2)], "a request in its slot, with its letter (hover over it: details)"),
-            ([colour(2), "url(#hatch)"], "its prompt being prefilled: no token yet"),
-            (["#eee"], "an idle slot"), (["#666"], "busy: the share of slots holding a request")]
-    keys += [([STEP_COLOUR], "ms: how long each step took"),
-             (["#bbb"], "a step in which no request decoded")] if has_step_times else []
-    parts, x, y = [], 8, 8
-    for fills, text in keys:
-        width = 26 + 6.5 * len(text)  # text at 12 px runs about 6.5 px a character
-        if x + width > SVG_WIDTH:
-            x, y = 8, y + 22
-        swatch = "".join(tag("rect", width=20, height=14, fill=fill) for fill in fills)
-        parts.append(tag("g", swatch + tag("text", escape(text), x=26, y=11, font_size=12),
-                         transform=f"translate({x}, {y})"))
-        x += width + 20
-    return "".join(parts), y + 32
-
-
-def belt_svg(*groups):
-    """groups: each a list of panels [(title, n_slots, completions, summary, step_times)], runs of
-    the same requests -> an SVG document, a panel per run, one under the other, each group on one
-    step scale (and one scale of step durations), so that its runs compare by eye. completions: one
-    per request in request order, each with .slot, .admit_step, .first_token_step, .finish_step and
-    .tokens, or None (not finished: not drawn); summary: summarize()'s figures; step_times: None, or
-    [(step, seconds)] for a strip of step durations."""
-    has_step_times = any(panel[4] for panels in groups for panel in panels)
-    legend, top = legend_svg(has_step_times)
-    parts = [tag("defs", HATCH), legend]
-    for g, panels in enumerate(groups):
-        top += 4 * GAP if g else 0  # a gap between groups: each has scales of its own
-        n_steps = max((c.finish_step + 1 for _, _, completions, _, _ in panels for c in completions if c), default=1)
-        durations = [seconds for *_, step_times in panels for _, seconds, _ in step_times or ()]
-        width = SVG_WIDTH - LEFT - RIGHT - (SCALE_W if durations else 0)
-        step_w = width / n_steps  # px per step: the longest run spans the width
-        for panel in panels:
-            group, top = panel_svg(*panel, step_w, n_steps, max(durations, default=1), top)
-            parts.append(group)
-    return tag("svg", "".join(parts), xmlns="http://www.w3.org/2000/svg", width=SVG_WIDTH, height=top,
-               font_family="sans-serif", style="background: white")
-
-
-# ---------------------------------------------------------------------------------------------
-# The command line: --demo, --prompt, --bench
+# The command line: --demo and --prompt here; tools/ measures, verifies and draws with the same parts
 
 
 def fail(message):
-    """The one-line end for what nanobatch itself refuses: bad input, a missing or damaged file, no
-    network. Any other error (in torch: a wrong shape, out of memory) keeps its traceback, which
-    says where it broke."""
-    print(f"nanobatch.py: error: {message}", file=sys.stderr)
+    """The one-line end for what nanobatch refuses: bad input, a missing or damaged file, no network.
+    Any other error (in torch: a wrong shape, out of memory) keeps its traceback."""
+    print(f"{os.path.basename(sys.argv[0]) or 'nanobatch.py'}: error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -924,22 +682,22 @@ def run_all(model, requests, runs, args, eos_id, show_belt):
     """Serve the same requests once per run, (name, n_slots, policy, prefill_chunk, disaggregate) ->
     ({name: summarize(...)}, {name: completions}, {name: step reports}). Ctrl-C prints the figures
     so far, exits 130."""
-    for _, n_slots, policy, prefill_chunk, disaggregate in runs:  # refuse bad input before printing anything
+    for _, n_slots, policy, prefill_chunk, disaggregate in runs:  # bad input refused before anything is printed
         try:
             check_arguments(model, requests, n_slots, args.max_len or model.config.block_size, eos_id, policy,
-                            prefill_chunk=prefill_chunk, disaggregate=disaggregate)
+                            prefill_chunk, disaggregate)
         except ValueError as e:
             fail(e)
     summaries, completions, all_reports = {}, {}, {}
     for name, n_slots, policy, prefill_chunk, disaggregate in runs:
         where = f"; {placement(model.lm_head.weight.device)}" if disaggregate else ""
         if show_belt:
-            prompt_mark = ("with the prefill worker; '>A': A's keys and values handed over" if disaggregate
-                           else "not all in yet")
-            print(f"\n== {name}: {len(requests)} requests, {n_slots} slots (letter: the request that made a "
-                  f"token in that slot; '~': its prompt {prompt_mark}; '.': a slot doing no useful work){where}")
+            prompt_mark = "with the prefill worker; '>A': A's keys and values handed over" if disaggregate else \
+                "not all in yet"
+            print(f"\n== {name}: {len(requests)} requests, {n_slots} slots (letter: the request that made a token in "
+                  f"that slot; '~': its prompt {prompt_mark}; '.': a slot doing no useful work){where}")
         elif disaggregate:
-            print(f"{name}: {placement(model.lm_head.weight.device)}")
+            print(f"{name}: {where[2:]}")
         reports, start = [], time.perf_counter()
 
         def on_step(report):
@@ -953,8 +711,18 @@ def run_all(model, requests, runs, args, eos_id, show_belt):
             completions[name] = generate(model, requests, n_slots=n_slots, max_len=args.max_len, eos_id=eos_id,
                                          policy=policy, prefill_chunk=prefill_chunk, on_step=on_step,
                                          disaggregate=disaggregate)
-        except KeyboardInterrupt:
-            print_interrupted(name, requests, reports, summaries, time.perf_counter() - start)
+        except KeyboardInterrupt:  # the figures so far: who finished, the steps' reports say
+            finished = [None] * len(requests)
+            for report in reports:
+                for i, completion in report.finished:
+                    finished[i] = completion
+            print(f"\ninterrupted after {len(reports)} steps of {name}: tokens and occupancy count every request "
+                  f"that ran, latencies only the {sum(c is not None for c in finished)} of {len(requests)} that "
+                  f"finished")
+            if reports:
+                summaries[f"{name} (cut)"] = summarize(requests, finished, reports, time.perf_counter() - start)
+            if summaries:
+                print_table(summaries)
             sys.exit(130)  # 128 + SIGINT: how a shell reports a program that Ctrl-C stopped
         wall_s = time.perf_counter() - start
         summaries[name], all_reports[name] = summarize(requests, completions[name], reports, wall_s), reports
@@ -963,37 +731,37 @@ def run_all(model, requests, runs, args, eos_id, show_belt):
     return summaries, completions, all_reports
 
 
+# ---------------------------------------------------------------------------------------------
+# Where each side of a disaggregated run sits: in code for PrefillWorker, in words for the screen
+
+
+def prefill_device(device):
+    """The worker's device beside a loop on `device`: a second GPU if there is one, else `device`."""
+    n_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    return torch.device("cuda", (device.index + 1) % n_gpus) if n_gpus > 1 else device
+
+
+def split_threads(n_threads):
+    """A CPU's threads shared out: (the worker's, the decode loop's), at least one each."""
+    return max(1, n_threads // 2), max(1, n_threads - n_threads // 2)
+
+
 def placement(device):
     """Where a disaggregated run's two sides are, in words, for a decode loop on `device`."""
     worker_device = prefill_device(device)
     if device.type == "cpu":
         n_worker, n_loop = split_threads(torch.get_num_threads())
-        return (f"the prefill worker on {n_worker} of torch's {torch.get_num_threads()} CPU threads, the decode loop "
-                f"on {n_loop}")
+        return f"the prefill worker on {n_worker} of torch's {torch.get_num_threads()} CPU threads, the decode " \
+               f"loop on {n_loop}"
     if worker_device == device:
         return f"the prefill worker on {device} too, on a CUDA stream of its own: one GPU, shared by both sides"
-    return (f"the prefill worker on {worker_device} with a copy of the weights, the decode loop on {device}: keys "
-            f"and values cross between the GPUs")
-
-
-def print_interrupted(name, requests, reports, summaries, wall_s):
-    """The runs done so far, and the one Ctrl-C cut short, up to its last step."""
-    finished = [None] * len(requests)  # generate never returned: its reports say who finished
-    for report in reports:
-        for i, completion in report.finished:
-            finished[i] = completion
-    print(f"\ninterrupted after {len(reports)} steps of {name}: tokens and occupancy count every request that "
-          f"ran, latencies only the {sum(c is not None for c in finished)} of {len(requests)} that finished")
-    if reports:
-        summaries = {**summaries, f"{name} (cut)": summarize(requests, finished, reports, wall_s)}
-    if summaries:
-        print_table(summaries)
+    return f"the prefill worker on {worker_device} with a copy of the weights, the decode loop on {device}: keys " \
+           f"and values cross between the GPUs"
 
 
 def long_tailed(rng, n, mean, cap):
     """n answer lengths shaped like chat traffic, many short and a long tail: the n quantiles of a
-    capped exponential, in random order. Quantiles rather than random draws, so that the mix is the
-    same for every seed and only the order is left to chance."""
+    capped exponential, in random order, so that the mix is the same for every seed."""
     lengths = [min(cap, 1 + int(-mean * math.log(1 - (i + 0.5) / n))) for i in range(n)]
     rng.shuffle(lengths)
     return lengths
@@ -1009,42 +777,40 @@ def load_gpt2(weights):
         fail(e)
 
 
-def load_tokenizer():
-    """tiktoken's GPT-2 encoding, or None when its files are neither cached nor downloadable."""
+def load_tokenizer(model):
+    """tiktoken's GPT-2 encoding, or None when its files cannot be had or the vocabulary differs."""
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(default_cache_dir() / "tiktoken"))
     try:
         import tiktoken
-        return tiktoken.get_encoding("gpt2")
+        tokenizer = tiktoken.get_encoding("gpt2")
     except Exception:  # offline, tiktoken raises its HTTP library's own errors
         return None
-
-
-def print_texts(tokenizer, requests, completions):
-    for i, (request, completion) in enumerate(zip(requests, completions)):
-        print(f"{letter(i)} ({completion.finish_reason}): "
-              f"{tokenizer.decode(request.prompt)!r} -> {tokenizer.decode(completion.tokens)!r}")
+    return tokenizer if tokenizer.n_vocab == model.config.vocab_size else None
 
 
 TINY = GPTConfig(n_layer=2, n_head=4, n_embd=64)  # --quick: the same loop in seconds
+
+
+def seeded_model(args):
+    """--weights, else a random GPT-2 (TINY with --quick), the same for the same --seed."""
+    torch.manual_seed(args.seed)
+    model = load_gpt2(args.weights) if args.weights else GPT(TINY if args.quick else GPTConfig())
+    return model.to(args.device, args.dtype).eval()
+
+
 DEMO_PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
                 "The three primary colors are", "My favourite recipe for pancakes", "In 1969, the first humans",
                 "The quick brown fox", "Dear hiring manager,", "The best way to learn a language is",
                 "Q: What is continuous batching?\nA:", "The weather today is", "Breaking news:"]
-
-
-DEMO_PREFILL_CHUNK = 32  # prompt tokens a step in --demo: a 40-token prompt takes two steps
+DEMO_PREFILL_CHUNK = 32  # prompt tokens a step in --demo: a 40-token prompt takes two steps, seen as '~'
 
 
 def demo(args):
     """A mixed workload through continuous, then static batching, the belt on screen -> its panels."""
-    model, tokenizer = (None, None) if args.quick else (load_gpt2(args.weights), load_tokenizer())
+    model = None if args.quick else load_gpt2(args.weights)  # None: --quick, or offline
     has_weights = model is not None
-    if not has_weights:  # --quick, or offline: the same loop on random weights
-        torch.manual_seed(args.seed)
-        model = GPT(TINY if args.quick else GPTConfig())
-    model = model.to(args.device, args.dtype).eval()
-    if tokenizer and tokenizer.n_vocab != model.config.vocab_size:
-        tokenizer = None  # weights with a vocabulary of their own: GPT-2's token ids would be wrong
+    model = model.to(args.device, args.dtype).eval() if has_weights else seeded_model(args)
+    tokenizer = None if args.quick else load_tokenizer(model)
     fed = "text prompts" if tokenizer else "random tokens"
     if args.quick:
         print(f"nanobatch --quick: a tiny randomly initialised GPT-2 on {fed}")
@@ -1058,18 +824,13 @@ def demo(args):
     n_requests, first_wave = 32, args.slots + args.slots // 2
     lengths = long_tailed(random.Random(args.seed), n_requests, mean=16, cap=64)  # whatever the weights
     rng = random.Random(args.seed + 1)
-    if tokenizer:
-        prompts = [tokenizer.encode(DEMO_PROMPTS[i % len(DEMO_PROMPTS)]) for i in range(n_requests)]
-    else:
-        prompts = [[rng.randrange(model.config.vocab_size) for _ in range(rng.randint(4, 40))]
-                   for _ in range(n_requests)]
+    prompts = [tokenizer.encode(DEMO_PROMPTS[i % len(DEMO_PROMPTS)]) if tokenizer else
+               [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(4, 40))] for i in range(n_requests)]
     # A first wave fills the belt and queues up; the rest arrive, one every other step, while it runs.
     requests = [Request(prompt, max_new, args.temperature, args.top_k, seed=args.seed + i,
                         arrival=0 if i < first_wave else 2 * (i - first_wave + 1))
                 for i, (prompt, max_new) in enumerate(zip(prompts, lengths))]
-    # Prompts go in DEMO_PREFILL_CHUNK tokens a step unless told otherwise, so that a slot taking
-    # in a long prompt ('~') is seen beside slots that keep decoding. Disaggregated, the continuous
-    # run's prompts go to the prefill worker instead, whole unless told otherwise; static cannot.
+    # Disaggregated, the continuous run's prompts go to the worker, whole unless told otherwise.
     prefill_chunk = args.prefill_chunk or DEMO_PREFILL_CHUNK
     name = "disaggregated" if args.disaggregate else "continuous"
     runs = [(name, args.slots, "continuous", args.prefill_chunk if args.disaggregate else prefill_chunk,
@@ -1088,8 +849,9 @@ def demo(args):
 
 def prompt_mode(args):
     """Your prompts, real GPT-2, the belt on screen -> its panel."""
-    tokenizer, model = load_tokenizer(), load_gpt2(args.weights)
-    if tokenizer is None or model is None:
+    model = load_gpt2(args.weights)
+    tokenizer = model and load_tokenizer(model)
+    if not tokenizer:
         fail("--prompt needs GPT-2's weights and tiktoken's files, which are neither cached nor "
              "downloadable here: run once online, or pass --weights PATH")
     model = model.to(args.device, args.dtype).eval()
@@ -1103,295 +865,14 @@ def prompt_mode(args):
     return [[(name, args.slots, completions[name], summaries[name], None)]]
 
 
-def seeded_model(args):
-    """The model --bench and --verify measure: --weights, else a random GPT-2 (tiny with --quick),
-    the same for every run with the same --seed."""
-    torch.manual_seed(args.seed)
-    model = load_gpt2(args.weights) if args.weights else GPT(TINY if args.quick else GPTConfig())
-    return model.to(args.device, args.dtype).eval()
-
-
-def bench(args):
-    """Seeded workloads, timed: continuous against static and sequential (the engine with one
-    slot), the scheduler's efficiency, and long prompts served whole, in chunks or disaggregated ->
-    two groups of panels: continuous and static; the three long-prompt runs."""
-    model = seeded_model(args)
-    V, rng = model.config.vocab_size, random.Random(args.seed)
-    n_requests = args.requests or 16 * args.slots  # a steady stream: many more requests than slots
-    lengths = long_tailed(rng, n_requests, mean=16, cap=128)
-    requests = [Request([rng.randrange(V) for _ in range(rng.randint(4, 16))], n,
-                        arrival=int(i / args.arrival_rate) if args.arrival_rate else 0)
-                for i, n in enumerate(lengths)]
-    print(f"bench: {n_requests} requests, prompts of 4-16 tokens, answers of {min(lengths)}-{max(lengths)} "
-          f"(mean {sum(lengths) / n_requests:.1f}) tokens, GPT-2 {model.config.n_layer} layers "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M, {args.device}, {args.dtype}")
-    runs = [("continuous", args.slots, "continuous", args.prefill_chunk, False),
-            ("static", args.slots, "static", args.prefill_chunk, False),
-            ("sequential", 1, "continuous", args.prefill_chunk, False)]
-    runs += [("disaggregated", args.slots, "continuous", args.prefill_chunk, True)] if args.disaggregate else []
-    # eos_id=None: every answer runs to its drawn length, so real weights see the same workload.
-    summaries, completions, _ = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
-    # The scheduler's efficiency: the same prompts with every answer of the mean length, so that a
-    # belt of them never idles. While requests wait, continuous should come close to its rate.
-    mean_length = round(sum(lengths) / n_requests)
-    packable = [Request(r.prompt, mean_length, arrival=r.arrival) for r in requests]
-    packable_run = ("packable", args.slots, "continuous", args.prefill_chunk, False)
-    summaries.update(run_all(model, packable, [packable_run], args, eos_id=None, show_belt=False)[0])
-    print_table(summaries, legend=True)
-    cont, stat, seq, ideal = (summaries[name] for name in ("continuous", "static", "sequential", "packable"))
-    print(f"\nsteps static / continuous:        {stat['steps'] / cont['steps']:.2f}x")
-    print(f"tokens/s continuous / static:     {cont['tokens/s'] / stat['tokens/s']:.2f}x")
-    print(f"tokens/s continuous / sequential: {cont['tokens/s'] / seq['tokens/s']:.2f}x")
-    if args.disaggregate:
-        print(f"tokens/s disaggregated / continuous: {summaries['disaggregated']['tokens/s'] / cont['tokens/s']:.2f}x")
-    if cont["tokens/s while queued"] and ideal["tokens/s while queued"]:
-        print(f"scheduler efficiency: while requests wait, continuous makes {cont['tokens/s while queued']:.1f} "
-              f"tokens/s, {cont['tokens/s while queued'] / ideal['tokens/s while queued']:.0%} of the "
-              f"{ideal['tokens/s while queued']:.1f} of a perfectly packable workload (every answer {mean_length} "
-              f"tokens)")
-    if args.quick:
-        print("--quick: on a model this small a step's fixed cost (Python, and launching each of its "
-              "operations) dominates what its rows cost, so these ratios are not GPT-2's: steps compare "
-              "fairly, seconds do not. Without --quick: GPT-2 124M.")
-    long_prompt_panels = long_prompts(model, args)
-    if model.config.block_size >= 1024:
-        short, long = (time_decode_steps(model, [[100] * args.slots], max_len, repeats=10)[0]
-                       for max_len in (128, 1024))
-        print(f"\ndecode step at position 100: {1e3 * short:.1f} ms with max_len=128, "
-              f"{1e3 * long:.1f} ms with max_len=1024 ({long / short:.2f}x)")
-    max_len = args.max_len or model.config.block_size
-    cache_bytes = model.new_cache(args.slots, max_len).nbytes
-    if args.device.type == "cuda":
-        peak = f"{torch.cuda.max_memory_allocated() / 1e6:.0f} MB on the GPU"
-    else:
-        try:
-            import resource  # Unix only
-            peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB resident"
-        except ImportError:
-            peak = "not measured here"
-    print(f"KV cache: {cache_bytes / 1e6:.1f} MB ({args.slots} slots x {max_len} positions), made once per "
-          f"run; peak memory of the whole process so far: {peak}")
-    if model.config.block_size >= 1024:
-        attention_table(model)  # last: its belts of 64 slots hold a cache 8 times the size of 8 slots'
-    shown = ["continuous", "static"] + ["disaggregated"] * args.disaggregate
-    return [[(name, args.slots, completions[name], summaries[name], None) for name in shown], long_prompt_panels]
-
-
-def long_prompts(model, args):
-    """A steady stream of short requests with a few long prompts among them, served with whole
-    prompts, in chunks, and disaggregated: a whole long prompt stalls every decoding request for one
-    long step; chunks spread it over several; a prefill worker takes it off the belt -> their
-    panels, each with its step durations."""
-    V, rng, n_requests = model.config.vocab_size, random.Random(args.seed + 1), 8 * args.slots
-    long_len = min(600, (args.max_len or model.config.block_size) - 70)  # room for the short answers beside it
-    if long_len < 100:
-        print(f"\nlong prompts: skipped, --max-len {args.max_len} leaves no room for a long prompt (170 at least)")
-        return []
-    lengths = long_tailed(rng, n_requests, mean=16, cap=64)
-    is_long = [i % (n_requests // 4) == n_requests // 8 for i in range(n_requests)]  # 4 of them, spread out
-    requests = [Request([rng.randrange(V) for _ in range(long_len if long else rng.randint(4, 16))], n,
-                        arrival=i * 2)  # one every other step: about what the belt serves
-                for i, (n, long) in enumerate(zip(lengths, is_long))]
-    chunk = args.prefill_chunk or 64
-    print(f"\nlong prompts: {n_requests} requests arriving one every other step, {sum(is_long)} of them with "
-          f"{long_len}-token prompts, the rest 4-16; whole prompts, chunks of {chunk}, and disaggregated (whole "
-          f"prompts on a prefill worker)")
-    runs = [("whole prompts", args.slots, "continuous", None, False),
-            (f"chunks of {chunk}", args.slots, "continuous", chunk, False),
-            ("disaggregated", args.slots, "continuous", None, True)]
-    summaries, completions, reports = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
-    print_table(summaries)
-    whole, chunked, disaggregated = summaries.values()
-    print(f"\n{'against whole prompts':24}{'chunked':>18}{'disaggregated':>18}")
-    for row, figure in [("TBT P99", lambda summary: summary["TBT P50/P99 (ms)"][1]),
-                        ("TTFT P99", lambda summary: summary["TTFT P50/P99 (s)"][1]),
-                        ("tokens/s", lambda summary: summary["tokens/s"])]:
-        print(f"{row:24}" + "".join(f"{figure(summary) / figure(whole):>17.2f}x"
-                                    for summary in (chunked, disaggregated)))
-    return [(name, args.slots, completions[name], summaries[name], step_times(reports[name], completions[name]))
-            for name, *_ in runs]
-
-
-def step_times(reports, completions):
-    """[(step, seconds, whether a request decoded in it)]: a step decodes when it makes more tokens
-    than first tokens."""
-    first_tokens = Counter(c.first_token_step for c in completions if c is not None)
-    return [(report.step, report.step_s, report.n_running > first_tokens[report.step]) for report in reports]
-
-
-def time_decode_steps(model, belts, max_len, repeats=5):
-    """Seconds for one forward of each belt, every slot decoding, slot s of belt b at position
-    belts[b][s], in one cache of max_len positions: the median of `repeats` rounds, each round
-    running every belt once, so that the machine's drift falls on all belts alike."""
-    device, n_slots = model.lm_head.weight.device, len(belts[0])
-    cache = model.new_cache(n_slots, max_len)
-    steps = []
-    for positions in belts:
-        runs = [Running(slot, Request([0] * position, 2), slot, None, admit_step=0, n_cached=position, tokens=[0])
-                for slot, position in enumerate(positions)]  # each about to feed its first answer token
-        steps.append(pack_step([(run, [0]) for run in runs], [], n_slots, device)[0])
-    seconds = [[] for _ in belts]
-    with torch.no_grad():
-        for _ in range(1 + repeats):  # the first round warms up
-            for packed, times in zip(steps, seconds):
-                start = time.perf_counter()
-                model.forward_packed(packed, cache)
-                synchronize(device)
-                times.append(time.perf_counter() - start)
-    return [statistics.median(times[1:]) for times in seconds]
-
-
-def attention_table(model):
-    """How a step's cost grows with the belt and its lengths: decode steps of 8 to 64 slots, every
-    slot short; one long among short ones; lengths spread from 50 to 1000, against every slot at
-    their mean (the same keys in all). Attention reads what the slots hold: one long slot costs
-    about its own length, not every slot's padding to it."""
-    def spread(n):
-        return [50 + 950 * slot // (n - 1) for slot in range(n)]
-
-    belts = {"all short (48)": lambda n: [48] * n, "one long (940)": lambda n: [940] + [48] * (n - 1),
-             "spread 50-1000": spread, "at their mean": lambda n: [round(sum(spread(n)) / n)] * n}
-    config, itemsize = model.config, model.lm_head.weight.element_size()
-    cache_64_gb = 64 * 1024 * config.n_layer * 2 * config.n_embd * itemsize / 1e9  # keys and values, every layer
-    print(f"\ndecode steps (ms, the median of 5 rounds of the four belts), every slot decoding, its length in keys "
-          f"(64 slots hold a cache of {cache_64_gb:.1f} GB)")
-    print(f"{'':10}" + "".join(f"{name:>16}" for name in belts) + f"{'long / short':>14}{'spread / mean':>15}")
-    for n_slots in (8, 16, 32, 64):
-        lengths = [[length - 1 for length in belt(n_slots)] for belt in belts.values()]  # positions
-        ms = [1e3 * seconds for seconds in time_decode_steps(model, lengths, max_len=1024)]
-        print(f"{f'{n_slots} slots':10}" + "".join(f"{t:>16.1f}" for t in ms) +
-              f"{ms[1] / ms[0]:>13.2f}x{ms[2] / ms[3]:>14.2f}x", flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# --verify: the engine's greedy answers against the reference's, and why they may differ
-
-
-ROUNDING_FACTOR = 4  # how far past the reference's own error the batched logits may land. Summing in
-#                      another order lands about as far: at most 1.53x at each of 720 tokens measured
-#                      (tiny and 124M models, float32 and bfloat16). A decode mask that sees too much
-#                      landed 19x-43x as far in bfloat16, over 390,000x in float32 (--quick).
-
-
-def verdict(batched, sequential, exact):
-    """Why the engine's greedy token differs from the reference's -> ('rounding' or 'BUG', the
-    figures behind it).
-
-    batched, sequential: (V,) the logits each side took its token from, in the run's dtype;
-    exact: (V,) the logits of the same prefix recomputed in float64, from the same weights. The
-    two tokens are always a near-tie (each side ranks its own first, so their gap is within twice
-    the rows' difference), so the margin alone tells nothing. The distance to the exact logits
-    does: the dtype's rounding moves the reference's logits some way, and the engine's, which only
-    sum in another order, about as far; a wrong mask or cache computes something else, and lands
-    much further. The reference's error counts as at least one rounding of the largest logit: in
-    float64 the reference is the exact recomputation, and its error 0.
-    """
-    one_rounding = torch.finfo(sequential.dtype).eps * exact.abs().max().item()
-    batched, sequential, exact = batched.double(), sequential.double(), exact.double()
-
-    def distance(a, b):  # the largest logit difference; a NaN is the largest of all
-        return (a - b).abs().nan_to_num(nan=math.inf).max().item()
-
-    top_two = sequential.topk(2).values
-    figures = {
-        "reference margin": (top_two[0] - top_two[1]).item(),  # between the reference's top two logits
-        "|batched - reference|": distance(batched, sequential),
-        "batched error": distance(batched, exact),
-        "reference error": distance(sequential, exact),
-    }
-    figures["tolerance"] = ROUNDING_FACTOR * max(figures["reference error"], one_rounding)
-    return "rounding" if figures["batched error"] <= figures["tolerance"] else "BUG", figures
-
-
-def verify(args):
-    """Seeded greedy requests through generate and through generate_sequential; each answer
-    identical, or apart by rounding, or by a BUG. Exits with status 1 if any is a BUG, else 0."""
-    model = seeded_model(args)
-    tokenizer = None if args.quick else load_tokenizer()
-    if tokenizer and tokenizer.n_vocab != model.config.vocab_size:
-        tokenizer = None
-
-    def shown_token(token):
-        return f"{tokenizer.decode([token])!r} ({token})" if tokenizer else str(token)
-
-    # 1) The workload: prompts of mixed lengths, answers long enough to meet near-ties, more
-    #    requests than slots and a third of them late, so that slots are reused mid-run.
-    V, rng = model.config.vocab_size, random.Random(args.seed)
-    n_requests, prompt_lens, answer_lens = (12, (4, 16), (8, 24)) if args.quick else (16, (4, 48), (24, 64))
-    requests = [Request([rng.randrange(V) for _ in range(rng.randint(*prompt_lens))], rng.randint(*answer_lens),
-                        arrival=rng.randint(1, 40) if i % 3 == 2 else 0) for i in range(n_requests)]
-    try:  # bad input is refused before anything is printed
-        check_arguments(model, requests, args.slots, args.max_len or model.config.block_size, None, args.policy,
-                        prefill_chunk=args.prefill_chunk, disaggregate=args.disaggregate)
-    except ValueError as e:
-        fail(e)
-    prompts_go = f"prompt chunks of {args.prefill_chunk}" if args.prefill_chunk else "whole prompts"
-    if args.disaggregate:
-        prompts_go += f" on a prefill worker: {placement(model.lm_head.weight.device)}"
-    print(f"verify: {n_requests} greedy requests (prompts of {'-'.join(map(str, prompt_lens))} random tokens, "
-          f"answers of {'-'.join(map(str, answer_lens))}, {sum(r.arrival > 0 for r in requests)} arriving late) "
-          f"through generate ({args.slots} slots, {args.policy}, {prompts_go}) and "
-          f"generate_sequential; GPT-2 {model.config.n_layer} layers "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M, {args.device}, {args.dtype}")
-    print(f"rule: at an answer's first differing token, both forwards' logits are compared with a float64 "
-          f"recomputation of the same prefix: 'rounding' if the batched ones are within {ROUNDING_FACTOR}x the "
-          f"reference's own error of it (at least one rounding of the largest logit), 'BUG' if further")
-    # 2) The reference's answers.
-    start = time.perf_counter()
-    reference = generate_sequential(model, requests, max_len=args.max_len, eos_id=None)
-    reference_s = time.perf_counter() - start
-    # 3) The engine's answers, and from its step reports the logits row of each answer's first
-    #    token that differs from the reference's. Request i's k-th row in the reports made its token k.
-    n_rows_seen, first_flip = [0] * n_requests, {}  # first_flip[i]: (position in the answer, logits row)
-
-    def on_step(report):
-        for i, row in zip(report.sampled, report.logits):
-            k, reference_tokens = n_rows_seen[i], reference[i].tokens
-            n_rows_seen[i] += 1
-            token = int(sample(row, requests[i], None))  # the engine's own rule: the token it took
-            if i not in first_flip and k < len(reference_tokens) and token != reference_tokens[k]:
-                first_flip[i] = (k, row.clone())  # a copy: the step's whole (R, V) logits need not stay
-
-    start = time.perf_counter()
-    batched = generate(model, requests, n_slots=args.slots, max_len=args.max_len, eos_id=None, policy=args.policy,
-                       prefill_chunk=args.prefill_chunk, on_step=on_step, disaggregate=args.disaggregate)
-    batched_s = time.perf_counter() - start
-    # 4) Each answer, identical or judged at its first differing token. The reference's logits
-    #    there come again from the forward it ran (plain, in the run's dtype, on the same prefix),
-    #    the exact ones from a float64 copy of the model.
-    exact_model, counts = None, {"identical": 0, "rounding": 0, "BUG": 0}
-    for i, (request, got, want) in enumerate(zip(requests, batched, reference)):
-        if n_rows_seen[i] != len(got.tokens):  # a token whose logits were not reported goes unjudged
-            name, line = "BUG", f"{len(got.tokens)} tokens, but {n_rows_seen[i]} logits rows for it in the step reports"
-        elif got.tokens == want.tokens:
-            name, line = "identical", ""
-        elif i not in first_flip:  # only a broken engine or report gets here
-            name, line = "BUG", (f"answers of {len(got.tokens)} and {len(want.tokens)} tokens, and no logits "
-                                 f"row in the step reports made a token that differs")
-        else:
-            position, batched_row = first_flip[i]
-            if exact_model is None:
-                exact_model = copy.deepcopy(model).double()
-            prefix = torch.tensor([request.prompt + want.tokens[:position]], device=args.device)  # (1, T)
-            with torch.no_grad():
-                sequential_row, exact_row = model(prefix)[0, -1], exact_model(prefix)[0, -1]  # each (V,)
-            name, f = verdict(batched_row, sequential_row, exact_row)
-            line = (f"first differs at token {position}: {shown_token(got.tokens[position])} vs "
-                    f"{shown_token(want.tokens[position])} (batched vs reference); reference margin "
-                    f"{f['reference margin']:.3g}; |batched - reference| {f['|batched - reference|']:.3g}; "
-                    f"off float64: batched {f['batched error']:.3g}, reference {f['reference error']:.3g}, "
-                    f"tolerance {f['tolerance']:.3g}")
-        counts[name] += 1
-        print(f"{letter(i)}  {name:9} {line}".rstrip())
-    print(f"{n_requests} answers: " + ", ".join(f"{n} {name}" for name, n in counts.items()) +
-          f" (generate_sequential {reference_s:.1f} s, generate {batched_s:.1f} s)")
-    sys.exit(1 if counts["BUG"] else 0)
+def print_texts(tokenizer, requests, completions):
+    for i, (request, completion) in enumerate(zip(requests, completions)):
+        print(f"{letter(i)} ({completion.finish_reason}): "
+              f"{tokenizer.decode(request.prompt)!r} -> {tokenizer.decode(completion.tokens)!r}")
 
 
 def positive(number_type):
-    """An argparse type: a number_type (int or float) above 0. For the numbers the command line
-    builds work from itself (16 requests per slot, one arrival every 1 / rate steps): generate
-    checks everything it is given, but these it never sees."""
+    """An argparse type: a number_type above 0, for the numbers the command line builds work from."""
     def convert(text):
         value = number_type(text)
         if not 0 < value < math.inf:
@@ -1412,87 +893,82 @@ def usable_device(text):
     return device
 
 
-def write_svg(path, groups):
-    try:
-        Path(path).write_text(belt_svg(*groups))
-    except OSError as e:  # no such folder, no permission
-        fail(f"--svg: {e}")
-    print(f"\nthe belt, a panel per run: {path} (open it in a browser)")
-
-
-SERVING = {"slots", "max_len", "prefill_chunk", "disaggregate", "seed", "device", "dtype", "svg"}
-MODES = {  # --MODE: the function that runs it (it returns the panels for --svg), the options it takes
-    "demo": (demo, SERVING | {"quick", "weights", "temperature", "top_k", "quiet"}),
-    "prompt": (prompt_mode, SERVING | {"weights", "max_new_tokens", "temperature", "top_k", "policy", "quiet"}),
-    "bench": (bench, SERVING | {"quick", "weights", "requests", "arrival_rate"}),
-    "verify": (verify, SERVING - {"svg"} | {"quick", "weights", "policy"}),  # exits 0, or 1 for a BUG
+OPTIONS = {  # each option of nanobatch.py and tools/ once: name -> (argparse's keywords, its default)
+    "slots": (dict(type=positive(int), metavar="N", help="slots on the belt: the batch size (8)"), 8),
+    "max_len": (dict(type=int, metavar="N", help="positions per slot (the model's, 1024)"), None),
+    "prefill_chunk": (dict(type=int, metavar="N", help="at most N prompt tokens a step (--demo: "
+                                                       f"{DEMO_PREFILL_CHUNK}; else no limit)"), None),
+    "disaggregate": (dict(action="store_true", help="continuous batching prefills every prompt on a worker of "
+                          "its own: a second GPU, a CUDA stream of its own on one, or half the CPU's threads"), False),
+    "policy": (dict(choices=POLICIES, help="how to fill the belt (continuous)"), "continuous"),
+    "max_new_tokens": (dict(type=int, metavar="N", help="tokens per answer, at most (64)"), 64),
+    "temperature": (dict(type=float, metavar="T", help="0 is greedy (0)"), 0.0),
+    "top_k": (dict(type=int, metavar="K", help="sample among the K likeliest"), None),
+    "seed": (dict(type=int, help="request i samples with seed + i; the workload's seed (0)"), 0),
+    "weights": (dict(metavar="PATH", help="a checkpoint directory or file, or gpt2, gpt2-medium, ... to "
+                                          "download"), None),
+    "quick": (dict(action="store_true", help="a tiny random model, in seconds"), False),
+    "device": (dict(type=usable_device, help="cpu, cuda, cuda:1, ... (cuda when present)"), None),
+    "dtype": (dict(choices=["float32", "float64", "bfloat16", "float16"], help="(float32)"), "float32"),
+    "quiet": (dict(action="store_true", help="no belt, only the summary"), False),
 }
-DEFAULTS = dict(slots=8, max_len=None, prefill_chunk=None, seed=0, temperature=0.0, top_k=None, max_new_tokens=64,
-                policy="continuous", requests=None, arrival_rate=None, weights=None, quick=False, device=None,
-                dtype="float32", quiet=False, svg=None, disaggregate=False)
+SERVING = {"slots", "max_len", "prefill_chunk", "disaggregate", "seed", "device", "dtype"}
 
 
-def main(argv=None):
-    """Parse, refuse what does not apply, run one mode. The parser knows no defaults (DEFAULTS comes
-    after the checks), so it returns exactly what was typed: an option that does not apply to the
-    mode is refused even when typed with its default value."""
-    parser = argparse.ArgumentParser(prog="nanobatch.py", argument_default=argparse.SUPPRESS,
-                                     usage="%(prog)s (--demo | --prompt TEXT | --bench | --verify) [options]",
-                                     description="Continuous batching for GPT-2, in one loop you can read.")
-    what = parser.add_argument_group("what to run").add_mutually_exclusive_group(required=True)
-    what.add_argument("--demo", action="store_true", help="a mixed workload, continuous vs static")
-    what.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt; repeat for more requests")
-    what.add_argument("--bench", action="store_true", help="continuous vs static vs sequential, timed")
-    what.add_argument("--verify", action="store_true", help="batched against sequential answers, each judged: "
-                                                           "identical, rounding or BUG (exit status 1)")
-    work = parser.add_argument_group("the requests and the belt")
-    work.add_argument("--slots", type=positive(int), metavar="N", help="slots on the belt: the batch size (8)")
-    work.add_argument("--max-len", type=int, metavar="N", help="positions per slot (the model's, 1024)")
-    work.add_argument("--prefill-chunk", type=int, metavar="N", help="at most N prompt tokens a step "
-                      f"(--demo: {DEMO_PREFILL_CHUNK}; else no limit)")
-    work.add_argument("--disaggregate", action="store_true", help="continuous batching prefills every prompt on a "
-                      "worker of its own: a second GPU, a CUDA stream of its own on one, or half the CPU's threads "
-                      "(static batching cannot; --bench: a column of its own)")
-    work.add_argument("--seed", type=int, help="request i samples with seed + i; --bench: its workload (0)")
-    work.add_argument("--temperature", type=float, metavar="T", help="--demo, --prompt: 0 is greedy (0)")
-    work.add_argument("--top-k", type=int, metavar="K", help="--demo, --prompt: sample among the K likeliest")
-    work.add_argument("--max-new-tokens", type=int, metavar="N", help="--prompt: per request (64)")
-    work.add_argument("--policy", choices=POLICIES, help="--prompt, --verify: how to fill the belt (continuous)")
-    work.add_argument("--requests", type=positive(int), metavar="N", help="--bench: how many (16 per slot)")
-    work.add_argument("--arrival-rate", type=positive(float), metavar="R",
-                      help="--bench: requests per step (all at once)")
-    setup = parser.add_argument_group("model and output")
-    setup.add_argument("--weights", metavar="PATH", help="a checkpoint directory or file, or gpt2, gpt2-medium, "
-                       "... to download")
-    setup.add_argument("--quick", action="store_true",
-                       help="--demo, --bench, --verify: a tiny random model, in seconds")
-    setup.add_argument("--device", type=usable_device, help="cpu, cuda, cuda:1, ... (cuda when present)")
-    setup.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], help="(float32)")
-    setup.add_argument("--quiet", action="store_true", help="--demo, --prompt: no belt, only the summary")
-    setup.add_argument("--svg", metavar="FILE", help="the belt drawn into FILE, a panel per run (--bench: "
-                       "continuous, static and disaggregated, not sequential, whose 8 times as many steps would "
-                       "squeeze them; then the long-prompt runs with their step durations)")
-    given = vars(parser.parse_args(argv))
-    mode = next(name for name in MODES if name in given)  # exactly one: the parser saw to that
-    run, options = MODES[mode]
-    for name in sorted(given.keys() - options - {mode}):
-        parser.error(f"--{name.replace('_', '-')} does not apply to --{mode}")
-    if "quick" in given and "weights" in given:
+def parse_args(parser, argv, names):
+    """Parse argv with parser and the OPTIONS named -> (what was typed, every option's value)."""
+    for name in [name for name in OPTIONS if name in names]:  # no default in the parser: what was typed, only
+        parser.add_argument("--" + name.replace("_", "-"), default=argparse.SUPPRESS, **OPTIONS[name][0])
+    typed = vars(parser.parse_args(argv))
+    if "quick" in typed and "weights" in typed:
         parser.error("--weights does not apply to --quick, which runs a tiny random model")
-    if "svg" in given and not Path(given["svg"]).parent.is_dir():  # found out now, not after a long run
-        parser.error(f"--svg {given['svg']}: no such folder")
-    args = argparse.Namespace(**{**DEFAULTS, **given})
+    args = argparse.Namespace(**{**{name: OPTIONS[name][1] for name in names}, **typed})
     args.device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = getattr(torch, args.dtype)
+    return typed, args
+
+
+def run_cli(run, args):
+    """run(args), and what it returns; a closed pipe (`| head`) and Ctrl-C outside a run end quietly."""
     try:
-        groups = run(args)  # the panels for --svg, in groups that each share a step scale
-        if args.svg:
-            write_svg(args.svg, groups)
-    except BrokenPipeError:  # the reader has gone (`| head`): stop quietly, as `yes | head` does
+        return run(args)
+    except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush must not fail
         sys.exit(141)  # 128 + SIGPIPE: how a shell reports a program that a closed pipe stopped
-    except KeyboardInterrupt:  # Ctrl-C outside a run (while loading, say): nothing to summarize
+    except KeyboardInterrupt:  # while loading, say: nothing to summarize
         sys.exit(130)
+
+
+MODES = {  # --MODE: the function that runs it (it returns the belt's panels for tools/belt_svg.py), its options
+    "demo": (demo, SERVING | {"quick", "weights", "temperature", "top_k", "quiet"}),
+    "prompt": (prompt_mode, SERVING | {"weights", "max_new_tokens", "temperature", "top_k", "policy", "quiet"}),
+}
+MOVED = {"bench": "python tools/bench.py", "verify": "python tools/verify.py",
+         "svg": "python tools/belt_svg.py FILE (with the options of --demo or --prompt)"}
+
+
+def main(argv=None, prog="nanobatch.py"):
+    """Parse, refuse what does not apply to the mode, run it -> its panels."""
+    argv = sys.argv[1:] if argv is None else argv
+    for option, where in MOVED.items():
+        if any(arg.split("=")[0] == f"--{option}" for arg in argv):
+            fail(f"--{option} has moved: {where}")
+    takes = [f"--{mode} takes " + ", ".join("--" + name.replace("_", "-") for name in OPTIONS if name in options)
+             for mode, (_, options) in MODES.items()]
+    parser = argparse.ArgumentParser(prog=prog, usage="%(prog)s (--demo | --prompt TEXT) [options]",
+                                     description="Continuous batching for GPT-2, in one loop you can read.",
+                                     epilog="\n".join(takes), formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--demo", action="store_true", default=argparse.SUPPRESS, help="a mixed workload, "
+                      "continuous vs static")
+    what.add_argument("--prompt", action="append", metavar="TEXT", default=argparse.SUPPRESS,
+                      help="a prompt; repeat for more requests")
+    typed, args = parse_args(parser, argv, set().union(*(options for _, options in MODES.values())))
+    mode = next(name for name in MODES if name in typed)  # exactly one: the parser saw to that
+    run, options = MODES[mode]
+    for name in sorted(typed.keys() - options - {mode}):
+        parser.error(f"--{name.replace('_', '-')} does not apply to --{mode}")
+    return run_cli(run, args)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@ Tests for nanobatch, told as a story in the manner of minGPT's test_huggingface_
 
 Everything is checked against an independent reference: `GPT.forward`, the textbook causal forward
 with no cache, and `generate_sequential`, which serves one request at a time through it. The models
-are tiny (2 layers, 4 heads, 64 dimensions) but keep GPT-2's full vocabulary, and are seeded, so
-every run sees the same numbers. float64 on CPU makes "the same tokens" a fair demand.
+are tiny (2 layers, 4 heads, 64 dimensions, a vocabulary of 512; GPT-2's 50,257 where the input
+checks need its ids) and seeded, so every run sees the same numbers. float64 on CPU makes "the same
+tokens" a fair demand. tools/ is tested here too.
 
-    python -m pytest -q test_nanobatch.py        (about a minute on two CPU cores; no network)
+    python -m pytest -q        (about a minute on two CPU cores; no network)
 """
 import ctypes
 import io
@@ -36,19 +37,27 @@ import torch
 import model as model_py
 import nanobatch
 from model import GPT, GPTConfig
-from nanobatch import POLICIES, Request, attention_mask, generate, generate_sequential, sample, verdict
+from nanobatch import POLICIES, Request, attention_mask, generate, generate_sequential, sample
 
-TINY = dict(block_size=64, vocab_size=50257, n_layer=2, n_head=4, n_embd=64)
-V = TINY["vocab_size"]
+REPO = Path(__file__).resolve().parent
+sys.path.insert(0, str(REPO / "tools"))  # the tools a reader may skip, tested here all the same
+import belt_svg  # noqa: E402
+import bench  # noqa: E402
+import verify  # noqa: E402
+from verify import verdict  # noqa: E402
+
+TINY = dict(block_size=64, vocab_size=512, n_layer=2, n_head=4, n_embd=64)
+V = TINY["vocab_size"]  # the engine's tests: a token's cost is mostly the LM head's, n_embd x V, so a small V
+GPT2_V = 50257  # the input checks' model keeps GPT-2's vocabulary, and so its EOS id, 50256
 MAX_LEN = 32  # positions per slot in the engine tests: short, so that some answers run out of room
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
-REPO = Path(__file__).resolve().parent
 
 
 def tiny_gpt(device="cpu", dtype=torch.float64, seed=0, **sizes):
-    """A seeded random GPT. With GPT-2's init (std 0.02) a model this small is so smooth that its
-    tokens hardly depend on what attention sees, and a key read from the wrong slot goes unnoticed.
+    """A seeded random GPT, 2 layers of 64 dimensions and a vocabulary of 512 unless told otherwise.
+    With GPT-2's init (std 0.02) a model this small is so smooth that its tokens hardly depend on
+    what attention sees, and a key read from the wrong slot goes unnoticed.
     Drawing the blocks' matrices with std 0.1 makes tokens depend on their context (measured while
     writing these tests: 39 of 48 runs with a deliberately broken cache read caught, not 26)."""
     torch.manual_seed(seed)
@@ -64,6 +73,12 @@ def tiny_gpt(device="cpu", dtype=torch.float64, seed=0, **sizes):
 def gpt():
     """The model most tests share: float64 on CPU."""
     return tiny_gpt()
+
+
+@pytest.fixture(scope="module")
+def gpt2_vocab():
+    """The same with GPT-2's vocabulary, for the input checks: ids up to 50256, EOS the default."""
+    return tiny_gpt(vocab_size=GPT2_V)
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -161,7 +176,7 @@ def check_clock(requests, completions, n_slots, policy, prefill_chunk=None, repo
         for report in reports:
             assert report.n_prompt_tokens <= budget, f"step {report.step}: {report.n_prompt_tokens} prompt tokens"
             assert report.n_prefilling == 0 or report.n_prompt_tokens == budget, \
-                f"step {report.step}: {report.n_prompt_tokens} of {budget} prompt tokens while {report.n_prefilling} wait"
+                f"step {report.step}: {report.n_prompt_tokens} of {budget} prompt tokens, {report.n_prefilling} waiting"
     for t in range(max(c.finish_step for c in completions) + 1):
         waiting = [i for i in range(n) if requests[i].arrival <= t < completions[i].admit_step]
         active = n_active(completions, t)
@@ -1005,8 +1020,8 @@ GOOD = dict(prompt=[1, 2, 3], max_new_tokens=4)
 BAD_INPUTS = [  # (what is wrong, fields of the second Request, generate's arguments, the name in the message)
     ("empty prompt", dict(prompt=[]), {}, r"requests\[1\]\.prompt"),
     ("empty tensor prompt", dict(prompt=torch.tensor([], dtype=torch.long)), {}, r"requests\[1\]\.prompt"),
-    ("token id past the vocabulary", dict(prompt=[1, V]), {}, r"requests\[1\]\.prompt"),
-    ("token id past the vocabulary, in a tensor", dict(prompt=torch.tensor([1, V])), {}, r"requests\[1\]\.prompt"),
+    ("token id past the vocabulary", dict(prompt=[1, GPT2_V]), {}, r"requests\[1\]\.prompt"),
+    ("token id past the vocabulary, in a tensor", dict(prompt=torch.tensor([1, GPT2_V])), {}, r"requests\[1\]\.prompt"),
     ("negative token id", dict(prompt=[-1, 2]), {}, r"requests\[1\]\.prompt"),
     ("prompt fills max_len", dict(prompt=[1] * 16), dict(max_len=16), r"requests\[1\]\.prompt"),
     # A prompt must be one flat row of int ids: not text, not a batch, not floats, not bools.
@@ -1052,7 +1067,7 @@ BAD_INPUTS = [  # (what is wrong, fields of the second Request, generate's argum
     ("max_len past block_size", {}, dict(max_len=TINY["block_size"] + 1), r"max_len"),
     ("max_len 16.0", {}, dict(max_len=16.0), r"max_len"),
     ("max_len as text", {}, dict(max_len="16"), r"max_len"),
-    ("eos_id past the vocabulary", {}, dict(eos_id=V), r"eos_id"),
+    ("eos_id past the vocabulary", {}, dict(eos_id=GPT2_V), r"eos_id"),
     ("negative eos_id", {}, dict(eos_id=-1), r"eos_id"),
     ("eos_id True", {}, dict(eos_id=True), r"eos_id"),
     ("eos_id as text", {}, dict(eos_id="50256"), r"eos_id"),
@@ -1066,18 +1081,18 @@ BAD_INPUTS = [  # (what is wrong, fields of the second Request, generate's argum
 
 @pytest.mark.parametrize("fields, arguments, name", [case[1:] for case in BAD_INPUTS],
                          ids=[case[0] for case in BAD_INPUTS])
-def test_bad_input_is_refused(gpt, fields, arguments, name):
+def test_bad_input_is_refused(gpt2_vocab, fields, arguments, name):
     """Every unservable input is a ValueError naming the field, raised before the first step: the
     good request in front of the bad one is never served. A wrong type too: never a TypeError, nor
     an error from deep inside torch."""
     requests = [Request(**GOOD), Request(**{**GOOD, **fields})]
     steps = []
     with pytest.raises(ValueError, match=name):
-        generate(gpt, requests, on_step=steps.append, **arguments)
+        generate(gpt2_vocab, requests, on_step=steps.append, **arguments)
     assert steps == [], "it failed halfway, after serving steps"
     if not {"n_slots", "policy", "disaggregate"} & arguments.keys():  # the reference refuses the same requests
         with pytest.raises(ValueError, match=name):
-            generate_sequential(gpt, requests, **arguments)
+            generate_sequential(gpt2_vocab, requests, **arguments)
 
 
 @pytest.mark.parametrize("make_requests, name", [
@@ -1087,30 +1102,30 @@ def test_bad_input_is_refused(gpt, fields, arguments, name):
     (lambda: [Request(**GOOD), GOOD], r"requests\[1\] must be a Request, got dict"),
     (lambda: (r for r in [Request(**GOOD), None]), r"requests\[1\] must be a Request, got NoneType"),
 ], ids=["a lone Request", "None", "text among them", "a dict among them", "None from a generator"])
-def test_requests_must_be_requests(gpt, make_requests, name):
+def test_requests_must_be_requests(gpt2_vocab, make_requests, name):
     """requests may be any iterable (a generator too), each of its items a Request."""
     for serve in (generate, generate_sequential):
         with pytest.raises(ValueError, match=name):
-            serve(gpt, make_requests())
+            serve(gpt2_vocab, make_requests())
 
 
-def test_bad_numpy_input_is_refused(gpt):
+def test_bad_numpy_input_is_refused(gpt2_vocab):
     """numpy arrays pass only as one row of integer ids, as tensors do; numpy's bool is no id either."""
     np = pytest.importorskip("numpy")
     for prompt in (np.array([1.0, 2.0]), np.array([[1, 2]]), np.array([True, False]), [np.bool_(True), 2],
-                   np.array([1, V])):
+                   np.array([1, GPT2_V])):
         with pytest.raises(ValueError, match=r"requests\[0\]\.prompt"):
-            generate(gpt, [Request(prompt, 4)])
+            generate(gpt2_vocab, [Request(prompt, 4)])
     with pytest.raises(ValueError, match=r"requests\[0\]\.seed"):
-        generate(gpt, [Request([1, 2], 4, seed=np.float64(1.0))])
+        generate(gpt2_vocab, [Request([1, 2], 4, seed=np.float64(1.0))])
 
 
 @pytest.mark.parametrize("prefill_chunk", [0, -3, True, 2.5, "4"])
-def test_bad_prefill_chunk_is_refused(gpt, prefill_chunk):
+def test_bad_prefill_chunk_is_refused(gpt2_vocab, prefill_chunk):
     """check_arguments already checks prefill_chunk, the most prompt tokens one step may take in:
     None or an int >= 1."""
     with pytest.raises(ValueError, match="prefill_chunk"):
-        nanobatch.check_arguments(gpt, [Request(**GOOD)], 2, MAX_LEN, None, "continuous",
+        nanobatch.check_arguments(gpt2_vocab, [Request(**GOOD)], 2, MAX_LEN, None, "continuous",
                                   prefill_chunk=prefill_chunk)
 
 
@@ -1160,7 +1175,7 @@ def test_accepted_forms_serve_the_same(gpt):
             assert_unchanged(requests, before)
 
 
-def test_check_arguments_returns_plain_copies(gpt):
+def test_check_arguments_returns_plain_copies(gpt2_vocab):
     """What the engine receives: new Request objects whose prompt is a list of ints and whose numbers
     are ints and floats, equal in value to the caller's."""
     np = pytest.importorskip("numpy")
@@ -1168,7 +1183,7 @@ def test_check_arguments_returns_plain_copies(gpt):
                         arrival=np.int64(2)),
                 Request(torch.tensor([8]), 2, 1)]
     before = snapshot(requests)
-    checked = nanobatch.check_arguments(gpt, iter(requests), 2, MAX_LEN, None, "continuous", prefill_chunk=4)
+    checked = nanobatch.check_arguments(gpt2_vocab, iter(requests), 2, MAX_LEN, None, "continuous", prefill_chunk=4)
     assert_unchanged(requests, before)
     assert [type(r) for r in checked] == [Request, Request] and checked[0] is not requests[0]
     assert checked[0] == Request([5, 6, 7], 3, 0.5, 4, seed=9, arrival=2)
@@ -1180,13 +1195,13 @@ def test_check_arguments_returns_plain_copies(gpt):
         assert r.top_k is None or type(r.top_k) is int
 
 
-def test_a_long_bad_prompt_gives_a_short_message(gpt):
+def test_a_long_bad_prompt_gives_a_short_message(gpt2_vocab):
     """A 2000-token prompt with one bad id is named by its field, the id and its place, in a line
     a person can read: a few tokens at most, never the whole prompt echoed back."""
     prompt = random_prompt(random.Random(13), 2000)
     bad_prompts = {
-        "an id past the vocabulary": prompt[:1500] + [V] + prompt[1500:],
-        "the same, in a tensor": torch.tensor(prompt[:1500] + [V] + prompt[1500:]),
+        "an id past the vocabulary": prompt[:1500] + [GPT2_V] + prompt[1500:],
+        "the same, in a tensor": torch.tensor(prompt[:1500] + [GPT2_V] + prompt[1500:]),
         "a float": prompt[:1500] + [5.0] + prompt[1500:],
         "a batch of one": [prompt],
         "a 2-D tensor": torch.tensor([prompt]),
@@ -1195,14 +1210,14 @@ def test_a_long_bad_prompt_gives_a_short_message(gpt):
     messages = {}
     for what, bad in bad_prompts.items():
         with pytest.raises(ValueError, match=r"requests\[0\]\.prompt") as error:
-            generate(gpt, [Request(bad, 4)])
+            generate(gpt2_vocab, [Request(bad, 4)])
         messages[what] = str(error.value)
     with pytest.raises(ValueError, match=r"requests\[0\]\.temperature") as error:
-        generate(gpt, [Request([1, 2], 4, temperature="0." + "8" * 2000)])
+        generate(gpt2_vocab, [Request([1, 2], 4, temperature="0." + "8" * 2000)])
     messages["a 2000-character temperature"] = str(error.value)
     for what, message in messages.items():
         assert len(message) < 200, f"{what}: {len(message)} characters: {message[:300]}"
-    assert f"token id {V} (at index 1500)" in messages["an id past the vocabulary"]
+    assert f"token id {GPT2_V} (at index 1500)" in messages["an id past the vocabulary"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1373,7 +1388,7 @@ def check_stays(svg, belts):
 def test_belt_svg_draws_every_stay():
     """Two runs of six requests, by hand: each bar where and as long as its stay, nothing for the
     unfinished request, the headline figures in the titles."""
-    svg = nanobatch.belt_svg(BELTS)
+    svg = belt_svg.belt_svg(BELTS)
     check_stays(svg, BELTS)
     titles = [t.text for t in ET.fromstring(svg).iter(f"{SVG}text") if t.get("font-weight") == "bold"]
     assert titles == ["continuous, 3 slots: 10 steps, 49.3 tokens/s, TTFT P50 6 steps",
@@ -1382,7 +1397,7 @@ def test_belt_svg_draws_every_stay():
 
 def test_belt_svg_one_colour_per_request():
     """A colour names a request: the same in every panel, and different for each of the six."""
-    panels = drawn_panels(nanobatch.belt_svg(BELTS))
+    panels = drawn_panels(belt_svg.belt_svg(BELTS))
     fills = [{i: bar.get("fill") for i, bar in bars.items()} for _, bars, _ in panels]
     assert fills[0] == fills[1], fills
     assert len(set(fills[0].values())) == len(fills[0]), fills[0]
@@ -1400,7 +1415,7 @@ def test_belt_svg_64_slots_300_steps():
             step += length + rng.randrange(3)
     completions[7] = None  # one cut short
     belts = [("continuous", 64, completions, headline(300), None)]
-    svg = nanobatch.belt_svg(belts)
+    svg = belt_svg.belt_svg(belts)
     check_stays(svg, belts)
     width = float(ET.fromstring(svg).get("width"))
     _, bars, _ = drawn_panels(svg)[0]
@@ -1416,14 +1431,14 @@ def test_belt_svg_groups_and_step_durations():
     none."""
     times = [(0, 0.1, False), (1, 0.4, True), (2, 0.2, True), (4, 0.05, True)]  # no step 3: the clock jumped
     summary = {**headline(10), "TBT P50/P99 (ms)": (5.0, 123.0)}
-    svg = nanobatch.belt_svg(BELTS, [("long prompts", 3, CONTINUOUS, summary, times)])
+    svg = belt_svg.belt_svg(BELTS, [("long prompts", 3, CONTINUOUS, summary, times)])
     assert [step_w for step_w, _, _ in drawn_panels(svg)] == [76, 76, 110]
     panels = [group for group in ET.fromstring(svg).iter(f"{SVG}g") if group.get("class") == "panel"]
     bars = [[r for r in panel.iter(f"{SVG}rect") if r.get("class") == "step-time"] for panel in panels]
     assert [len(b) for b in bars] == [0, 0, 4]
     assert [(int(r.get("data-step")), float(r.get("x")), float(r.get("height"))) for r in bars[2]] == \
         [(0, 44, 10), (1, 154, 40), (2, 264, 20), (4, 484, 5)]
-    assert [r.get("fill") for r in bars[2]] == ["#bbb"] + [nanobatch.STEP_COLOUR] * 3  # step 0 decoded nothing
+    assert [r.get("fill") for r in bars[2]] == ["#bbb"] + [belt_svg.STEP_COLOUR] * 3  # step 0 decoded nothing
     texts = [t.text for t in panels[2].iter(f"{SVG}text")]
     assert "400 ms" in texts and texts[0].endswith("TBT P99 123 ms"), texts
 
@@ -1432,7 +1447,7 @@ def test_step_times_by_hand():
     """A step decodes when it makes more tokens than first tokens: in the schedule of section 6,
     step 0 makes A's first token and nothing else (B's prompt is still going in), step 1 makes B's
     first token and A's second, step 2 C's first and B's second."""
-    assert nanobatch.step_times([SimpleNamespace(step=i, **vars(r)) for i, r in enumerate(SCHEDULE)], SERVED) == \
+    assert bench.step_times([SimpleNamespace(step=i, **vars(r)) for i, r in enumerate(SCHEDULE)], SERVED) == \
         [(0, 0.5, False), (1, 0.25, True), (2, 0.25, True), (3, 0.5, True), (4, 0.25, True)]
 
 
@@ -1447,8 +1462,8 @@ def cli_env(tmp_path):
             "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "no_proxy": ""}
 
 
-def run_cli(tmp_path, *args):
-    return subprocess.run([sys.executable, "nanobatch.py", *args], cwd=REPO, env=cli_env(tmp_path),
+def run_cli(tmp_path, *args, script="nanobatch.py"):
+    return subprocess.run([sys.executable, script, *args], cwd=REPO, env=cli_env(tmp_path),
                           capture_output=True, text=True, timeout=100)
 
 
@@ -1461,7 +1476,7 @@ def test_cli_demo_quick(tmp_path):
     """The demo runs offline in seconds on a tiny random model: a belt line per step, the table with
     its legend, the sentence that says which rows to compare, and with --svg a picture of both runs,
     one bar for each of the 32 requests in each."""
-    result = run_cli(tmp_path, "--demo", "--quick", "--svg", str(tmp_path / "belt.svg"))
+    result = run_cli(tmp_path, str(tmp_path / "belt.svg"), "--quick", script="tools/belt_svg.py")
     assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert sum(line.startswith("step ") for line in lines) > 100, result.stdout[-2000:]
@@ -1476,7 +1491,8 @@ def test_cli_demo_quick(tmp_path):
 def test_cli_demo_quick_disaggregated(tmp_path):
     """--demo --disaggregate: the continuous run prefills on a worker of its own and says where it
     runs, every request's handover is on the belt ('>X'), and static runs as before."""
-    result = run_cli(tmp_path, "--demo", "--quick", "--disaggregate", "--svg", str(tmp_path / "belt.svg"))
+    result = run_cli(tmp_path, str(tmp_path / "belt.svg"), "--demo", "--quick", "--disaggregate",
+                     script="tools/belt_svg.py")
     assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]
     out = result.stdout
     assert "== disaggregated: 32 requests" in out and "the prefill worker on" in out and "== static" in out, out[:2000]
@@ -1491,7 +1507,7 @@ def test_cli_demo_quick_disaggregated(tmp_path):
 def test_cli_bench_quick(tmp_path):
     """The benchmark runs offline on the tiny model, says why its ratios are not GPT-2's, and draws
     continuous and static, one bar for each of its 128 requests."""
-    result = run_cli(tmp_path, "--bench", "--quick", "--svg", str(tmp_path / "belt.svg"))
+    result = run_cli(tmp_path, "--quick", "--svg", str(tmp_path / "belt.svg"), script="tools/bench.py")
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "--quick: on a model this small a step's fixed cost" in result.stdout, result.stdout[-2000:]
     steps = [line.split() for line in result.stdout.splitlines() if line.split()[1:2] == ["slots"]]
@@ -1502,52 +1518,70 @@ def test_cli_bench_quick(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--demo", "--bench"], "argument --bench: not allowed with argument --demo"),
-    ([], "one of the arguments --demo --prompt --bench --verify is required"),
-    (["--demo", "--slots", "0"], "argument --slots: must be > 0, got 0"),
-    (["--bench", "--arrival-rate", "nan"], "argument --arrival-rate: must be > 0, got nan"),
-    (["--demo", "--device", "gpu"], "argument --device: gpu is no device"),
+    (["--demo", "--prompt", "Hi"], "nanobatch.py: error: argument --prompt: not allowed with argument --demo"),
+    ([], "nanobatch.py: error: one of the arguments --demo --prompt is required"),
+    (["--demo", "--slots", "0"], "nanobatch.py: error: argument --slots: must be > 0, got 0"),
+    (["--demo", "--device", "gpu"], "nanobatch.py: error: argument --device: gpu is no device"),
     # What does not apply to the mode is refused, not ignored, even when it is typed with its default.
-    (["--demo", "--quick", "--weights", "gpt2"], "--weights does not apply to --quick, which runs a tiny random model"),
-    (["--demo", "--max-new-tokens", "64"], "--max-new-tokens does not apply to --demo"),
-    (["--demo", "--policy", "static"], "--policy does not apply to --demo"),
-    (["--demo", "--requests", "10"], "--requests does not apply to --demo"),
-    (["--bench", "--temperature", "0"], "--temperature does not apply to --bench"),
-    (["--bench", "--quiet"], "--quiet does not apply to --bench"),
-    (["--prompt", "Hello", "--quick"], "--quick does not apply to --prompt"),
-    (["--prompt", "Hello", "--arrival-rate", "0.5"], "--arrival-rate does not apply to --prompt"),
-    (["--bench", "--svg", "no/such/folder/belt.svg"], "--svg no/such/folder/belt.svg: no such folder"),
+    (["--demo", "--quick", "--weights", "gpt2"],
+     "nanobatch.py: error: --weights does not apply to --quick, which runs a tiny random model"),
+    (["--demo", "--max-new-tokens", "64"], "nanobatch.py: error: --max-new-tokens does not apply to --demo"),
+    (["--demo", "--policy", "static"], "nanobatch.py: error: --policy does not apply to --demo"),
+    (["--prompt", "Hello", "--quick"], "nanobatch.py: error: --quick does not apply to --prompt"),
+    (["--demo", "--requests", "10"], "nanobatch.py: error: unrecognized arguments: --requests 10"),
+    # The tools: each takes its own options, and none of another's.
+    ((bench, "--arrival-rate", "nan"), "tools/bench.py: error: argument --arrival-rate: must be > 0, got nan"),
+    ((bench, "--temperature", "0"), "tools/bench.py: error: unrecognized arguments: --temperature 0"),
+    ((bench, "--quiet"), "tools/bench.py: error: unrecognized arguments: --quiet"),
+    ((bench, "--svg", "no/such/folder/belt.svg"),
+     "tools/bench.py: error: argument --svg: no/such/folder/belt.svg: no such folder"),
+    ((verify, "--temperature", "0.8"), "tools/verify.py: error: unrecognized arguments: --temperature 0.8"),
+    ((belt_svg, "no/such/folder/belt.svg"), "tools/belt_svg.py: error: argument FILE: no/such/folder/belt.svg: "
+                                            "no such folder"),
 ])
 def test_cli_refuses_what_it_cannot_do(argv, message, capsys):
     """Flags that make no sense are refused by the parser, before any model is made: its usage
-    line, then its error, exit status 2."""
+    line, then its error, exit status 2. argv: nanobatch.py's, or (a tool, its own)."""
+    main, argv = (argv[0].main, list(argv[1:])) if isinstance(argv, tuple) else (nanobatch.main, argv)
     with pytest.raises(SystemExit) as exit:
-        nanobatch.main(argv)
+        main(argv)
     err = capsys.readouterr().err.splitlines()
-    assert exit.value.code == 2 and err[-1] == f"nanobatch.py: error: {message}", err
+    assert exit.value.code == 2 and err[-1] == message, err
+
+
+@pytest.mark.parametrize("option, where", [("--bench", "tools/bench.py"), ("--verify", "tools/verify.py"),
+                                           ("--svg=belt.svg", "tools/belt_svg.py FILE")])
+def test_cli_says_where_the_tools_went(option, where, capsys):
+    """--bench, --verify and --svg live in tools/ now: one line says where, exit status 2."""
+    with pytest.raises(SystemExit) as exit:
+        nanobatch.main(["--demo", option])
+    err = capsys.readouterr().err.splitlines()
+    assert exit.value.code == 2 and len(err) == 1 and f"has moved: python {where}" in err[0], err
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--demo", "--quick", "--max-len", "1"], "max_len must be an int in 2..1024 (the model's block_size), got 1"),
-    (["--verify", "--quick", "--policy", "static", "--disaggregate"], "disaggregate=True needs policy='continuous'"),
+    ((verify, "--quick", "--policy", "static", "--disaggregate"), "disaggregate=True needs policy='continuous'"),
 ])
 def test_cli_bad_input_is_one_line(argv, message, capsys):
     """Input that generate refuses ends in one line, exit status 2, no traceback."""
+    main, argv = (argv[0].main, list(argv[1:])) if isinstance(argv, tuple) else (nanobatch.main, argv)
     with pytest.raises(SystemExit) as exit:
-        nanobatch.main(argv)
+        main(argv)
     err = capsys.readouterr().err.splitlines()
-    assert exit.value.code == 2 and len(err) == 1 and err[0].startswith(f"nanobatch.py: error: {message}"), err
+    assert exit.value.code == 2 and len(err) == 1 and f": error: {message}" in err[0], err
 
 
-@pytest.mark.parametrize("mode", ["--bench", "--verify", "--demo"])
-def test_cli_missing_checkpoint_is_one_line(mode, tmp_path, capsys):
-    """A --weights that is not there ends in one line naming it, exit status 2, in every mode that
+@pytest.mark.parametrize("main, mode", [(bench.main, []), (verify.main, []), (nanobatch.main, ["--demo"])],
+                         ids=["bench", "verify", "demo"])
+def test_cli_missing_checkpoint_is_one_line(main, mode, tmp_path, capsys):
+    """A --weights that is not there ends in one line naming it, exit status 2, in every command that
     loads weights."""
     missing = str(tmp_path / "no-such-checkpoint")
     with pytest.raises(SystemExit) as exit:
-        nanobatch.main([mode, "--weights", missing])
+        main([*mode, "--weights", missing])
     err = capsys.readouterr().err.splitlines()
-    assert exit.value.code == 2 and len(err) == 1 and err[0].startswith(f"nanobatch.py: error: {missing}"), err
+    assert exit.value.code == 2 and len(err) == 1 and f": error: {missing}" in err[0], err
 
 
 @pytest.mark.parametrize("error", [RuntimeError("shapes cannot be multiplied (8x64 and 65x64)"),
@@ -1597,14 +1631,16 @@ def test_cli_ctrl_c_shows_the_figures_so_far(tmp_path, disaggregated):
 
 
 @pytest.mark.parametrize("disaggregated", [[], ["--disaggregate"]])
-def test_verify_float64_every_answer_identical(tmp_path, disaggregated):
+def test_verify_float64_every_answer_identical(capsys, disaggregated):
     """In float64 the engine's greedy answers are the reference's, every one, prefilled on the belt
     or by the worker: exit status 0."""
-    result = run_cli(tmp_path, "--verify", "--quick", "--dtype", "float64", *disaggregated)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    answers = [line for line in result.stdout.splitlines() if line[:1].isalpha() and line[1:3] == "  "]
-    assert len(answers) == 12 and all(line.split()[1] == "identical" for line in answers), result.stdout
-    assert "12 answers: 12 identical, 0 rounding, 0 BUG" in result.stdout, result.stdout
+    with pytest.raises(SystemExit) as exit_status:
+        ends_within(TIMEOUT_S, verify.main, ["--quick", "--dtype", "float64", "--device", "cpu", *disaggregated])
+    out = capsys.readouterr().out
+    assert exit_status.value.code == 0, out[-2000:]
+    answers = [line for line in out.splitlines() if line[:1].isalpha() and line[1:3] == "  "]
+    assert len(answers) == 12 and all(line.split()[1] == "identical" for line in answers), out
+    assert "12 answers: 12 identical, 0 rounding, 0 BUG" in out, out
 
 
 @pytest.mark.parametrize("broken_mask", [decode_sees_everything, prefill_sees_the_future])
@@ -1613,7 +1649,7 @@ def test_verify_names_a_broken_engine(monkeypatch, capsys, broken_mask):
     none passes for rounding, and the exit status is 1."""
     monkeypatch.setattr(nanobatch, "attention_mask", broken_mask)
     with pytest.raises(SystemExit) as exit_status:
-        nanobatch.main(["--verify", "--quick", "--dtype", "float64", "--device", "cpu"])
+        verify.main(["--quick", "--dtype", "float64", "--device", "cpu"])
     out = capsys.readouterr().out
     verdicts = [line.split()[1] for line in out.splitlines() if line[:1].isalpha() and line[1:3] == "  "]
     differing = [name for name in verdicts if name != "identical"]
@@ -1627,21 +1663,12 @@ def test_verify_judges_the_workers_first_token(monkeypatch, capsys):
     first token on are each a BUG, and the exit status is 1."""
     monkeypatch.setattr(nanobatch, "attention_mask", prefill_sees_the_future)
     with pytest.raises(SystemExit) as exit_status:
-        ends_within(TIMEOUT_S, nanobatch.main, ["--verify", "--quick", "--dtype", "float64", "--device", "cpu",
-                                                "--disaggregate"])
+        ends_within(TIMEOUT_S, verify.main, ["--quick", "--dtype", "float64", "--device", "cpu", "--disaggregate"])
     out = capsys.readouterr().out
     verdicts = [line.split()[1:6] for line in out.splitlines() if line[:1].isalpha() and line[1:3] == "  "]
     assert exit_status.value.code == 1, out
     assert all(words[0] in ("identical", "BUG") for words in verdicts), out
     assert ["BUG", "first", "differs", "at", "token"] in verdicts and "first differs at token 0:" in out, out
-
-
-def test_verify_refuses_sampling(capsys):
-    """--verify compares greedy answers: a temperature does not apply to it, exit status 2."""
-    with pytest.raises(SystemExit) as exit_status:
-        nanobatch.main(["--verify", "--quick", "--temperature", "0.8"])
-    assert exit_status.value.code == 2
-    assert "--temperature does not apply to --verify" in capsys.readouterr().err
 
 
 def logits(*values, dtype=torch.float32):
