@@ -173,6 +173,29 @@ class KVCache:
         return self.kv.numel() * self.kv.element_size()
 
 
+def available_memory(device):
+    """Bytes that a new tensor on `device` can take now, or None where that cannot be told."""
+    if device.type == "cuda":  # free on the GPU, and what torch holds for reuse: an earlier cache, say
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
+            torch.cuda.memory_allocated(device)
+    try:  # Linux: what can be had without swapping, the reclaimable page cache included
+        with open("/proc/meminfo") as meminfo:
+            return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def check_cache_fits(config, n_slots, max_len, device, dtype):
+    """A ValueError, before any allocation, if a KVCache would not fit in the memory free now: it
+    is the engine's one large tensor, and its size is known (as vLLM sizes its own)."""
+    per_slot = config.n_layer * 2 * max_len * config.n_embd * dtype.itemsize  # keys and values, every layer
+    free = available_memory(device)
+    if free is not None and n_slots * per_slot > free:
+        raise ValueError(f"a KV cache of {n_slots} slots x {max_len} positions takes "
+                         f"{n_slots * per_slot / 1e9:.3g} GB, but {device} has {free / 1e9:.3g} GB free: at most "
+                         f"{free // per_slot} slots fit at max_len={max_len}")
+
+
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from model import GPT, GPTConfig, PackedStep, attention_cut, default_cache_dir
+from model import GPT, GPTConfig, PackedStep, attention_cut, check_cache_fits, default_cache_dir
 
 POLICIES = ("continuous", "static")
 EOT = 50256  # <|endoftext|>: GPT-2 ends a text with it
@@ -404,12 +404,15 @@ class PrefillWorker:
         self.inbox, self.outbox = queue.Queue(), queue.Queue()  # Running (None: wake up); Handover or error
         self.stopping = threading.Event()
         self.n_threads = torch.get_num_threads()  # the caller's setting, given back at the end
+        # Grad and inference mode are set per thread, and a tensor made in inference mode (the caller's
+        # cache) takes writes in it only: the worker runs in the caller's. Autocast is refused up front.
+        self.inference_mode = torch.is_inference_mode_enabled()
 
     def prefill(self, model, stream, n_threads):  # the worker's thread: its whole story
         try:
             device = model.lm_head.weight.device
             torch.set_num_threads(n_threads)
-            with torch.no_grad(), torch.cuda.stream(stream):  # both are set per thread
+            with torch.inference_mode(self.inference_mode), torch.no_grad(), torch.cuda.stream(stream):
                 # One slot, the prompt in hand; never wiped: a prompt writes each position before it reads it.
                 own_cache = model.new_cache(1, self.max_len)
                 while (run := self.inbox.get()) is not None and not self.stopping.is_set():
@@ -529,7 +532,11 @@ SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes (a ne
 def check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk=None, disaggregate=False):
     """Reject, before any work, everything that could not be served -> the requests as new, checked
     copies in plain Python types (the caller's are left as they were)."""
-    V, block_size = model.config.vocab_size, model.config.block_size
+    V, block_size, device = model.config.vocab_size, model.config.block_size, model.lm_head.weight.device
+    if torch.is_autocast_enabled(device.type):
+        raise ValueError(f"generate does not run under torch.autocast: its KV cache holds keys and values in "
+                         f"the model's dtype, {model.lm_head.weight.dtype}, and autocast would compute them in "
+                         f"another. Convert the model instead, outside autocast: model.to(torch.bfloat16)")
     if not (isinstance(policy, str) and policy in POLICIES):
         raise ValueError(f"policy must be one of {POLICIES}, got {reprlib.repr(policy)}")
     checked_int(n_slots, "n_slots", 1)
@@ -560,6 +567,7 @@ def check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_c
             top_k=checked_int(r.top_k, f"requests[{i}].top_k", 1, may_be_none=True),
             seed=checked_int(r.seed, f"requests[{i}].seed", *SEED_RANGE, may_be_none=True),
             arrival=checked_int(r.arrival, f"requests[{i}].arrival", 0)))
+    check_cache_fits(model.config, n_slots, max_len, device, model.lm_head.weight.dtype)  # model.py
     return checked
 
 

@@ -631,6 +631,81 @@ def test_no_thread_outlives_generate(gpt, monkeypatch, end):
 
 
 # ---------------------------------------------------------------------------------------------
+# 1c) The modes a caller runs generate in, and a cache that cannot fit
+
+
+@pytest.mark.parametrize("disaggregate", [False, True])
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "neither"])
+def test_the_callers_mode(gpt, mode, disaggregate):
+    """Grad and inference mode are set per thread. Inside torch.inference_mode(), torch.no_grad() or
+    neither, generate serves the reference's tokens, with the prefill worker too: its thread writes
+    into a cache the caller's thread made, which inference mode allows only inside inference mode."""
+    requests = random_workload(seed=5, n_requests=6)
+    reference = generate_sequential(gpt, requests, max_len=MAX_LEN, eos_id=None)
+
+    def serve():  # in the test's own thread, which sets its mode itself
+        with torch.inference_mode() if mode == "inference_mode" else torch.no_grad() if mode == "no_grad" \
+                else nullcontext():
+            return generate(gpt, requests, n_slots=3, max_len=MAX_LEN, eos_id=None, prefill_chunk=4,
+                            disaggregate=disaggregate)
+
+    assert first_difference(ends_within(TIMEOUT_S, serve), reference) == ""
+    assert worker_threads() == []
+
+
+def test_a_worker_failure_in_inference_mode_is_raised_not_hung(gpt, monkeypatch):
+    """In the caller's inference mode too, a worker that fails makes generate raise its very error,
+    with the worker's frames, and leaves no thread behind."""
+    forward_packed = GPT.forward_packed
+
+    def failing(model, step, cache):
+        if on_worker() and torch.is_inference_mode_enabled():  # it fails in the mode it was given
+            raise RuntimeError("the prefill machine caught fire")
+        return forward_packed(model, step, cache)
+
+    def serve():
+        with torch.inference_mode():
+            generate(gpt, random_workload(seed=1), n_slots=3, max_len=MAX_LEN, eos_id=None, disaggregate=True)
+
+    monkeypatch.setattr(GPT, "forward_packed", failing)
+    with pytest.raises(RuntimeError, match="caught fire") as error:
+        ends_within(TIMEOUT_S, serve)
+    assert "prefill" in [frame.name for frame in traceback.extract_tb(error.value.__traceback__)]
+    assert worker_threads() == []
+
+
+@pytest.mark.parametrize("disaggregate", [False, True])
+def test_autocast_is_refused_up_front(gpt2_vocab, disaggregate):
+    """Under torch.autocast the cache (in the model's dtype) and the keys (in autocast's) would
+    disagree: generate refuses before any step, says what to do instead, and starts no worker."""
+    steps = []
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match=r"torch\.autocast.*"
+                                                                     r"model\.to\(torch\.bfloat16\)"):
+        generate(gpt2_vocab, [Request([1, 2, 3], 4)], max_len=MAX_LEN, on_step=steps.append, disaggregate=disaggregate)
+    assert steps == [] and worker_threads() == []
+
+
+def test_a_cache_that_cannot_fit_is_refused_before_it_is_made(gpt, monkeypatch):
+    """With 10 MB free, 1000 slots of 32 positions (65,536 bytes each: 2 layers x keys and values x
+    32 x 64 x 8 bytes) are refused, naming the size, what is free and what fits, and no cache is
+    made: KVCache's constructor, patched to fail, is never reached. 152 slots fit, and serve."""
+    monkeypatch.setattr(model_py, "available_memory", lambda device: 10_000_000)
+    make_cache = model_py.KVCache.__init__
+
+    def made(*args, **kwargs):
+        raise AssertionError("a cache was made")
+
+    monkeypatch.setattr(model_py.KVCache, "__init__", made)
+    with pytest.raises(ValueError, match=r"a KV cache of 1000 slots x 32 positions takes 0.0655 GB, but cpu has "
+                                         r"0.01 GB free: at most 152 slots fit at max_len=32"):
+        generate(gpt, [Request([1, 2], 3)], n_slots=1000, max_len=MAX_LEN, eos_id=None)
+    monkeypatch.setattr(model_py.KVCache, "__init__", make_cache)
+    assert len(generate(gpt, [Request([1, 2], 3)], n_slots=152, max_len=MAX_LEN, eos_id=None)[0].tokens) == 3
+    free = model_py.available_memory(torch.device("cpu"))
+    assert free is None or free > 0  # what the machine really has: MemAvailable on Linux
+
+
+# ---------------------------------------------------------------------------------------------
 # 2) Sampling follows its rule, written out here independently
 #
 # The engine and the reference share `sample`, so their equivalence cannot see a bug in it: both
@@ -1562,9 +1637,13 @@ def test_cli_says_where_the_tools_went(option, where, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--demo", "--quick", "--max-len", "1"], "max_len must be an int in 2..1024 (the model's block_size), got 1"),
     ((verify, "--quick", "--policy", "static", "--disaggregate"), "disaggregate=True needs policy='continuous'"),
+    (["--demo", "--quick", "--slots", "100000"], "a KV cache of 100000 slots x 1024 positions takes 105 GB, but cpu "
+                                                 "has 2 GB free: at most 1907 slots fit at max_len=1024"),
 ])
-def test_cli_bad_input_is_one_line(argv, message, capsys):
-    """Input that generate refuses ends in one line, exit status 2, no traceback."""
+def test_cli_bad_input_is_one_line(argv, message, capsys, monkeypatch):
+    """Input that generate refuses ends in one line, exit status 2, no traceback: a cache too large
+    for the memory free (2 GB here, whatever the machine has) too."""
+    monkeypatch.setattr(model_py, "available_memory", lambda device: 2_000_000_000)
     main, argv = (argv[0].main, list(argv[1:])) if isinstance(argv, tuple) else (nanobatch.main, argv)
     with pytest.raises(SystemExit) as exit:
         main(argv)
