@@ -107,7 +107,9 @@ def sample(logits, request, generator):
         kth_largest = torch.topk(logits, min(request.top_k, logits.size(-1))).values[-1]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     probs = torch.softmax(logits / request.temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+    # torch.multinomial's own draw for one sample, argmax(p / q) with q ~ Exp(1), without the checks
+    # it runs first, which read values back from the device: one wait per sampled row.
+    return (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax()
 
 
 def sample_step(logits, runs, device):
@@ -439,6 +441,7 @@ class PrefillWorker:
             with torch.device(worker_device):
                 model = GPT(self.model.config).to(self.model.lm_head.weight.dtype).eval()
             model.load_state_dict(self.model.state_dict())
+            torch.cuda.synchronize(worker_device)  # those copies are queued on a stream the worker's never waits on
         self.loop_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         stream = torch.cuda.Stream(worker_device) if worker_device.type == "cuda" else None
         n_worker, n_loop = split_threads(self.n_threads) if device.type == "cpu" else (self.n_threads,) * 2

@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanobatch.py and model.py
+import model as model_py  # noqa: E402
 import nanobatch  # noqa: E402
 from belt_svg import checked_path, write_svg  # noqa: E402
-from nanobatch import (Request, Running, long_tailed, pack_step, positive, print_table,  # noqa: E402
+from nanobatch import (Request, Running, generate, long_tailed, pack_step, positive, print_table,  # noqa: E402
                        run_all, seeded_model, synchronize)
 
 
@@ -34,6 +35,10 @@ def bench(args):
     slot), the scheduler's efficiency, and long prompts served whole, in chunks or disaggregated ->
     two groups of panels: continuous and static; the three long-prompt runs."""
     model = seeded_model(args)
+    if args.call_cost is not None:  # what one more attention call costs on this device, in keys
+        model_py.CALL_COST_IN_KEYS["cpu" if args.device.type == "cpu" else "gpu"] = args.call_cost
+    if args.decode_steps:
+        return attention_table(model)
     V, rng = model.config.vocab_size, random.Random(args.seed)
     n_requests = args.requests or 16 * args.slots  # a steady stream: many more requests than slots
     lengths = long_tailed(rng, n_requests, mean=16, cap=128)
@@ -47,6 +52,7 @@ def bench(args):
             ("static", args.slots, "static", args.prefill_chunk, False),
             ("sequential", 1, "continuous", args.prefill_chunk, False)]
     runs += [("disaggregated", args.slots, "continuous", args.prefill_chunk, True)] if args.disaggregate else []
+    warm_up(model, runs, args)
     # eos_id=None: every answer runs to its drawn length, so real weights see the same workload.
     summaries, completions, _ = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
     # The scheduler's efficiency: the same prompts with every answer of the mean length, so that a
@@ -79,8 +85,10 @@ def bench(args):
               f"{1e3 * long:.1f} ms with max_len=1024 ({long / short:.2f}x)")
     max_len = args.max_len or model.config.block_size
     cache_bytes = model.new_cache(args.slots, max_len).nbytes
-    if args.device.type == "cuda":
-        peak = f"{torch.cuda.max_memory_allocated() / 1e6:.0f} MB on the GPU"
+    if args.device.type == "cuda":  # the loop's GPU, and the worker's where it has one of its own
+        loop_gpu = model.lm_head.weight.device
+        gpus = sorted({loop_gpu, nanobatch.prefill_device(loop_gpu)}, key=str)
+        peak = ", ".join(f"{torch.cuda.max_memory_allocated(gpu) / 1e6:.0f} MB on {gpu}" for gpu in gpus)
     else:
         try:
             import resource  # Unix only
@@ -117,6 +125,7 @@ def long_prompts(model, args):
     runs = [("whole prompts", args.slots, "continuous", None, False),
             (f"chunks of {chunk}", args.slots, "continuous", chunk, False),
             ("disaggregated", args.slots, "continuous", None, True)]
+    warm_up(model, runs, args)
     summaries, completions, reports = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
     print_table(summaries)
     whole, chunked, disaggregated = summaries.values()
@@ -128,6 +137,15 @@ def long_prompts(model, args):
                                     for summary in (chunked, disaggregated)))
     return [(name, args.slots, completions[name], summaries[name], step_times(reports[name], completions[name]))
             for name, *_ in runs]
+
+
+def warm_up(model, runs, args):
+    """Each run's way of serving once, untimed, on two short requests: the first call of a kernel
+    (cuBLAS's set-up, a second GPU's context and weights) must not be timed as the work's."""
+    requests = [Request([1, 2, 3], 2), Request([4] * 20, 3)]
+    for _, n_slots, policy, prefill_chunk, disaggregate in runs:
+        generate(model, requests, n_slots=n_slots, max_len=args.max_len, eos_id=None, policy=policy,
+                 prefill_chunk=prefill_chunk, disaggregate=disaggregate)
 
 
 def step_times(reports, completions):
@@ -185,9 +203,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="tools/bench.py", description="continuous vs static vs sequential, timed")
     parser.add_argument("--requests", type=positive(int), metavar="N", help="the main workload's (16 per slot)")
     parser.add_argument("--arrival-rate", type=positive(float), metavar="R", help="requests per step (all at once)")
+    parser.add_argument("--call-cost", type=int, metavar="KEYS", help="what one more attention call costs on "
+                        "the device, in keys (model.CALL_COST_IN_KEYS: 150 on a CPU, 20,000 on a GPU)")
+    parser.add_argument("--decode-steps", action="store_true", help="only the table of decode steps")
     parser.add_argument("--svg", metavar="FILE", type=checked_path, help="the belt drawn into FILE: continuous, "
                         "static (and disaggregated), then the long-prompt runs with their step durations")
     _, args = nanobatch.parse_args(parser, argv, nanobatch.SERVING | {"quick", "weights"})
+    if args.decode_steps and args.svg:
+        parser.error("--svg does not apply to --decode-steps, which draws no belt")
     groups = nanobatch.run_cli(bench, args)
     if args.svg:
         write_svg(args.svg, groups)
