@@ -414,7 +414,8 @@ class PrefillWorker:
         try:
             device = model.lm_head.weight.device
             torch.set_num_threads(n_threads)
-            with torch.inference_mode(self.inference_mode), torch.no_grad(), torch.cuda.stream(stream):
+            on_own_stream = torch.cuda.stream(stream) if stream else nullcontext()  # None would look up a GPU
+            with torch.inference_mode(self.inference_mode), torch.no_grad(), on_own_stream:
                 # One slot, the prompt in hand; never wiped: a prompt writes each position before it reads it.
                 own_cache = model.new_cache(1, self.max_len)
                 while (run := self.inbox.get()) is not None and not self.stopping.is_set():
@@ -689,16 +690,21 @@ def fail(message):
     sys.exit(2)
 
 
-def run_all(model, requests, runs, args, eos_id, show_belt):
-    """Serve the same requests once per run, (name, n_slots, policy, prefill_chunk, disaggregate) ->
-    ({name: summarize(...)}, {name: completions}, {name: step reports}). Ctrl-C prints the figures
-    so far, exits 130."""
-    for _, n_slots, policy, prefill_chunk, disaggregate in runs:  # bad input refused before anything is printed
+def check_runs(model, requests, runs, args, eos_id):
+    """What generate would refuse in any of the runs, refused in one line before anything is printed."""
+    for _, n_slots, policy, prefill_chunk, disaggregate in runs:
         try:
             check_arguments(model, requests, n_slots, args.max_len or model.config.block_size, eos_id, policy,
                             prefill_chunk, disaggregate)
         except ValueError as e:
             fail(e)
+
+
+def run_all(model, requests, runs, args, eos_id, show_belt):
+    """Serve the same requests once per run, (name, n_slots, policy, prefill_chunk, disaggregate) ->
+    ({name: summarize(...)}, {name: completions}, {name: step reports}). Ctrl-C prints the figures
+    so far, exits 130."""
+    check_runs(model, requests, runs, args, eos_id)
     summaries, completions, all_reports = {}, {}, {}
     for name, n_slots, policy, prefill_chunk, disaggregate in runs:
         where = f"; {placement(model.lm_head.weight.device)}" if disaggregate else ""
@@ -906,8 +912,8 @@ def usable_device(text):
 
 OPTIONS = {  # each option of nanobatch.py and tools/ once: name -> (argparse's keywords, its default)
     "slots": (dict(type=positive(int), metavar="N", help="slots on the belt: the batch size (8)"), 8),
-    "max_len": (dict(type=int, metavar="N", help="positions per slot (the model's, 1024)"), None),
-    "prefill_chunk": (dict(type=int, metavar="N", help="at most N prompt tokens a step (--demo: "
+    "max_len": (dict(type=positive(int), metavar="N", help="positions per slot (the model's, 1024)"), None),
+    "prefill_chunk": (dict(type=positive(int), metavar="N", help="at most N prompt tokens a step (--demo: "
                                                        f"{DEMO_PREFILL_CHUNK}; else no limit)"), None),
     "disaggregate": (dict(action="store_true", help="continuous batching prefills every prompt on a worker of "
                           "its own: a second GPU, a CUDA stream of its own on one, or half the CPU's threads"), False),

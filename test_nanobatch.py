@@ -690,8 +690,8 @@ def test_a_cache_that_cannot_fit_is_refused_before_it_is_made(gpt, monkeypatch):
     """With 10 MB free, 1000 slots of 32 positions (65,536 bytes each: 2 layers x keys and values x
     32 x 64 x 8 bytes) are refused, naming the size, what is free and what fits, and no cache is
     made: KVCache's constructor, patched to fail, is never reached. 152 slots fit, and serve."""
+    real_available_memory, make_cache = model_py.available_memory, model_py.KVCache.__init__
     monkeypatch.setattr(model_py, "available_memory", lambda device: 10_000_000)
-    make_cache = model_py.KVCache.__init__
 
     def made(*args, **kwargs):
         raise AssertionError("a cache was made")
@@ -702,7 +702,7 @@ def test_a_cache_that_cannot_fit_is_refused_before_it_is_made(gpt, monkeypatch):
         generate(gpt, [Request([1, 2], 3)], n_slots=1000, max_len=MAX_LEN, eos_id=None)
     monkeypatch.setattr(model_py.KVCache, "__init__", make_cache)
     assert len(generate(gpt, [Request([1, 2], 3)], n_slots=152, max_len=MAX_LEN, eos_id=None)[0].tokens) == 3
-    free = model_py.available_memory(torch.device("cpu"))
+    free = real_available_memory(torch.device("cpu"))
     assert free is None or free > 0  # what the machine really has: MemAvailable on Linux
 
 
@@ -712,10 +712,15 @@ def test_a_worker_with_weights_of_its_own_waits_for_them(gpt, monkeypatch):
     before the worker's first forward. Pinned on the CPU: prefill_device answers cpu:0, a device
     other than the loop's 'cpu' to the code, so the worker builds its copy there, and the GPU's
     synchronize is recorded. Still the reference's tokens, from the copy, not the loop's model."""
-    events = []
+    events, load_state_dict, forward_packed = [], GPT.load_state_dict, GPT.forward_packed
     monkeypatch.setattr(nanobatch, "prefill_device", lambda device: torch.device("cpu", 0))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("synchronize", str(device))))
-    forward_packed = GPT.forward_packed
+
+    def loading(model, state_dict):  # the copy of the weights, which a GPU queues
+        events.append(("load_state_dict", str(model.lm_head.weight.device)))
+        return load_state_dict(model, state_dict)
+
+    monkeypatch.setattr(GPT, "load_state_dict", loading)
 
     def recording(model, step, cache):
         if on_worker():
@@ -726,8 +731,8 @@ def test_a_worker_with_weights_of_its_own_waits_for_them(gpt, monkeypatch):
     requests = random_workload(seed=2, n_requests=6)
     got = ends_within(TIMEOUT_S, generate, gpt, requests, n_slots=3, max_len=MAX_LEN, eos_id=None, disaggregate=True)
     assert first_difference(got, generate_sequential(gpt, requests, max_len=MAX_LEN, eos_id=None)) == ""
-    assert events[0] == ("synchronize", "cpu:0"), events[:3]
-    assert set(events[1:]) == {("worker's forward", "a copy")}, events
+    assert events[:2] == [("load_state_dict", "cpu"), ("synchronize", "cpu:0")], events[:3]  # copied, then waited for
+    assert set(events[2:]) == {("worker's forward", "a copy")}, events
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1563,6 +1568,36 @@ def test_belt_svg_groups_and_step_durations():
     assert "400 ms" in texts and texts[0].endswith("TBT P99 123 ms"), texts
 
 
+class Stop(Exception):
+    """Ends a run once the test has seen what it looks at."""
+
+
+def test_bench_warms_each_way_of_serving_up_before_timing_it(monkeypatch):
+    """Before its first timed run, the bench serves two short requests, untimed, in each way it is
+    about to time (slots, policy, prompt budget, worker): a first call's set-up (cuBLAS, kernels
+    loaded, a second GPU's context and its copy of the weights) is not the work's time."""
+    calls = []
+    monkeypatch.setattr(bench, "generate", lambda model, requests, **kw: calls.append(
+        ("untimed", len(requests), kw["n_slots"], kw["policy"], kw["prefill_chunk"], kw["disaggregate"])))
+
+    def timed(model, requests, runs, args, eos_id, show_belt):
+        calls.extend(("timed", len(requests), *run[1:]) for run in runs)
+        raise Stop
+
+    monkeypatch.setattr(bench, "run_all", timed)
+    args = SimpleNamespace(seed=0, quick=True, weights=None, device=torch.device("cpu"), dtype=torch.float32,
+                           call_cost=None, decode_steps=False, requests=8, arrival_rate=None, slots=3,
+                           prefill_chunk=5, disaggregate=True, max_len=None)
+    with pytest.raises(Stop):
+        bench.bench(args)
+    untimed = [call[2:] for call in calls if call[0] == "untimed"]
+    timed_runs = [call[2:] for call in calls if call[0] == "timed"]
+    assert calls[:len(untimed)] == [c for c in calls if c[0] == "untimed"], "a timed run before the warm-up"
+    assert untimed == timed_runs == [(3, "continuous", 5, False), (3, "static", 5, False),
+                                     (1, "continuous", 5, False), (3, "continuous", 5, True)], calls
+    assert {call[1] for call in calls if call[0] == "untimed"} == {2}, "the warm-up is not two short requests"
+
+
 def test_step_times_by_hand():
     """A step decodes when it makes more tokens than first tokens: in the schedule of section 6,
     step 0 makes A's first token and nothing else (B's prompt is still going in), step 1 makes B's
@@ -1594,8 +1629,8 @@ def start_cli(tmp_path, *args):
 
 def test_cli_demo_quick(tmp_path):
     """The demo runs offline in seconds on a tiny random model: a belt line per step, the table with
-    its legend, the sentence that says which rows to compare, and with --svg a picture of both runs,
-    one bar for each of the 32 requests in each."""
+    its legend, the sentence that says which rows to compare, and, run by tools/belt_svg.py, a picture
+    of both runs, one bar for each of the 32 requests in each."""
     result = run_cli(tmp_path, str(tmp_path / "belt.svg"), "--quick", script="tools/belt_svg.py")
     assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]
     lines = result.stdout.splitlines()
@@ -1657,7 +1692,11 @@ def test_gpu_check_on_the_cpu(tmp_path):
     ((bench, "--svg", "no/such/folder/belt.svg"),
      "tools/bench.py: error: argument --svg: no/such/folder/belt.svg: no such folder"),
     ((bench, "--decode-steps", "--svg", "belt.svg"),
-     "tools/bench.py: error: --svg does not apply to --decode-steps, which draws no belt"),
+     "tools/bench.py: error: --svg does not apply to --decode-steps, which times its own belts"),
+    ((bench, "--decode-steps", "--slots", "4"),
+     "tools/bench.py: error: --slots does not apply to --decode-steps, which times its own belts"),
+    (["--demo", "--max-len", "0"], "nanobatch.py: error: argument --max-len: must be > 0, got 0"),
+    ((belt_svg, "--slots", "4", "belt.svg"), "tools/belt_svg.py: error: the following arguments are required: FILE"),
     ((verify, "--temperature", "0.8"), "tools/verify.py: error: unrecognized arguments: --temperature 0.8"),
     ((belt_svg, "no/such/folder/belt.svg"), "tools/belt_svg.py: error: argument FILE: no/such/folder/belt.svg: "
                                             "no such folder"),

@@ -185,9 +185,11 @@ def main(argv=None):
                                      "--demo, or --prompt TEXT ...]", description="The belt drawn into FILE, a "
                                      "panel per run: the demo's (continuous, then static), or your prompts'.")
     parser.add_argument("file", metavar="FILE", type=checked_path, help="where to write the SVG")
-    given, rest = parser.parse_known_args(argv)
-    mode = [] if "--prompt" in rest or "--demo" in rest else ["--demo"]
-    write_svg(given.file, nanobatch_main(mode + rest, prog="tools/belt_svg.py FILE"))
+    argv = sys.argv[1:] if argv is None else argv
+    path = parser.parse_args(argv[:1]).file  # FILE comes first; the rest is nanobatch.py's
+    rest = argv[1:]
+    mode = [] if any(arg.split("=")[0] in ("--demo", "--prompt") for arg in rest) else ["--demo"]
+    write_svg(path, nanobatch_main(mode + rest, prog="tools/belt_svg.py FILE"))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanobatch.py 
 import model as model_py  # noqa: E402
 import nanobatch  # noqa: E402
 from belt_svg import checked_path, write_svg  # noqa: E402
-from nanobatch import (Request, Running, generate, long_tailed, pack_step, positive, print_table,  # noqa: E402
-                       run_all, seeded_model, synchronize)
+from nanobatch import (Request, Running, check_runs, generate, long_tailed, pack_step, positive,  # noqa: E402
+                       print_table, run_all, seeded_model, synchronize)
 
 
 def bench(args):
@@ -52,7 +53,7 @@ def bench(args):
             ("static", args.slots, "static", args.prefill_chunk, False),
             ("sequential", 1, "continuous", args.prefill_chunk, False)]
     runs += [("disaggregated", args.slots, "continuous", args.prefill_chunk, True)] if args.disaggregate else []
-    warm_up(model, runs, args)
+    warm_up(model, requests, runs, args)
     # eos_id=None: every answer runs to its drawn length, so real weights see the same workload.
     summaries, completions, _ = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
     # The scheduler's efficiency: the same prompts with every answer of the mean length, so that a
@@ -84,7 +85,8 @@ def bench(args):
         print(f"\ndecode step at position 100: {1e3 * short:.1f} ms with max_len=128, "
               f"{1e3 * long:.1f} ms with max_len=1024 ({long / short:.2f}x)")
     max_len = args.max_len or model.config.block_size
-    cache_bytes = model.new_cache(args.slots, max_len).nbytes
+    config = model.config
+    cache_bytes = config.n_layer * 2 * args.slots * max_len * config.n_embd * model.lm_head.weight.element_size()
     if args.device.type == "cuda":  # the loop's GPU, and the worker's where it has one of its own
         loop_gpu = model.lm_head.weight.device
         gpus = sorted({loop_gpu, nanobatch.prefill_device(loop_gpu)}, key=str)
@@ -125,7 +127,7 @@ def long_prompts(model, args):
     runs = [("whole prompts", args.slots, "continuous", None, False),
             (f"chunks of {chunk}", args.slots, "continuous", chunk, False),
             ("disaggregated", args.slots, "continuous", None, True)]
-    warm_up(model, runs, args)
+    warm_up(model, requests, runs, args)
     summaries, completions, reports = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
     print_table(summaries)
     whole, chunked, disaggregated = summaries.values()
@@ -139,13 +141,14 @@ def long_prompts(model, args):
             for name, *_ in runs]
 
 
-def warm_up(model, runs, args):
-    """Each run's way of serving once, untimed, on two short requests: the first call of a kernel
-    (cuBLAS's set-up, a second GPU's context and weights) must not be timed as the work's."""
-    requests = [Request([1, 2, 3], 2), Request([4] * 20, 3)]
+def warm_up(model, requests, runs, args):
+    """Each run's way of serving once, untimed, on the workload's first two requests cut to two
+    tokens: the first call of a kernel (cuBLAS's set-up, a second GPU's context and weights) must not
+    be timed as the work's. The workload is checked first, so that bad input is one line."""
+    check_runs(model, requests, runs, args, eos_id=None)
     for _, n_slots, policy, prefill_chunk, disaggregate in runs:
-        generate(model, requests, n_slots=n_slots, max_len=args.max_len, eos_id=None, policy=policy,
-                 prefill_chunk=prefill_chunk, disaggregate=disaggregate)
+        generate(model, [replace(r, max_new_tokens=2) for r in requests[:2]], n_slots=n_slots, max_len=args.max_len,
+                 eos_id=None, policy=policy, prefill_chunk=prefill_chunk, disaggregate=disaggregate)
 
 
 def step_times(reports, completions):
@@ -193,6 +196,11 @@ def attention_table(model):
           f"(64 slots hold a cache of {cache_64_gb:.1f} GB)")
     print(f"{'':10}" + "".join(f"{name:>16}" for name in belts) + f"{'long / short':>14}{'spread / mean':>15}")
     for n_slots in (8, 16, 32, 64):
+        try:  # 64 slots of GPT-2 124M hold 4.8 GB in float32: more than some machines have free
+            model_py.check_cache_fits(config, n_slots, 1024, model.lm_head.weight.device, model.lm_head.weight.dtype)
+        except ValueError as e:
+            print(f"{n_slots} slots: not timed, {e}")
+            continue
         lengths = [[length - 1 for length in belt(n_slots)] for belt in belts.values()]  # positions
         ms = [1e3 * seconds for seconds in time_decode_steps(model, lengths, max_len=1024)]
         print(f"{f'{n_slots} slots':10}" + "".join(f"{t:>16.1f}" for t in ms) +
@@ -208,9 +216,10 @@ def main(argv=None):
     parser.add_argument("--decode-steps", action="store_true", help="only the table of decode steps")
     parser.add_argument("--svg", metavar="FILE", type=checked_path, help="the belt drawn into FILE: continuous, "
                         "static (and disaggregated), then the long-prompt runs with their step durations")
-    _, args = nanobatch.parse_args(parser, argv, nanobatch.SERVING | {"quick", "weights"})
-    if args.decode_steps and args.svg:
-        parser.error("--svg does not apply to --decode-steps, which draws no belt")
+    typed, args = nanobatch.parse_args(parser, argv, nanobatch.SERVING | {"quick", "weights"})
+    ignored = ["slots", "max_len", "prefill_chunk", "disaggregate", "requests", "arrival_rate", "svg"]
+    for name in [name for name in ignored if typed.get(name) not in (None, False)] if args.decode_steps else []:
+        parser.error(f"--{name.replace('_', '-')} does not apply to --decode-steps, which times its own belts")
     groups = nanobatch.run_cli(bench, args)
     if args.svg:
         write_svg(args.svg, groups)

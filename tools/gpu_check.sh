@@ -8,11 +8,11 @@
 # seconds, its output's last line) to the screen at the end and to OUT_DIR/summary.txt. Each step
 # has a time limit of its own, so that one hang cannot eat the rest. It needs what requirements.txt
 # installs and no network: with no GPT-2 weights at hand, the demo says so and runs random weights.
-# PYTHON names the interpreter (default: python3).
+# PYTHON names the interpreter (default: python3). It needs GNU coreutils' timeout.
 set -u
-out=${1:?usage: bash tools/gpu_check.sh OUT_DIR [--cpu]}
+mkdir -p "${1:?usage: bash tools/gpu_check.sh OUT_DIR [--cpu]}" || exit 2
+out=$(cd "$1" && pwd)  # before the cd below, so that a relative OUT_DIR means where it was typed
 cd "$(dirname "$0")/.." || exit 2
-mkdir -p "$out" || exit 2
 : > "$out/summary.txt"
 py=${PYTHON:-python3}
 
@@ -31,7 +31,8 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND, at most SECONDS, its outp
   code=$?
   case $code in
     0) status=ok ;;
-    124 | 137) status="TIMED OUT (${limit} s)" ;;
+    124) status="TIMED OUT (${limit} s)" ;;
+    137) status="KILLED (${limit} s up, or memory)" ;;
     *) status="FAILED (exit $code)" ;;
   esac
   printf '%-26s %-18s %4d s  %s\n' "$name" "$status" $((SECONDS - start)) \
