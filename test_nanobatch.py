@@ -1622,9 +1622,16 @@ def run_cli(tmp_path, *args, script="nanobatch.py"):
                           capture_output=True, text=True, timeout=100)
 
 
+def default_ctrl_c():
+    """In the child: Ctrl-C as a terminal delivers it, even where the suite was started with SIGINT
+    ignored (a shell's background job), which Python would then keep ignoring."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_cli(tmp_path, *args):
     return subprocess.Popen([sys.executable, "nanobatch.py", *args], cwd=REPO, env=cli_env(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=None if sys.platform == "win32" else default_ctrl_c)
 
 
 def test_cli_demo_quick(tmp_path):
