@@ -35,7 +35,7 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND, at most SECONDS, its outp
     137) status="KILLED (${limit} s up, or memory)" ;;
     *) status="FAILED (exit $code)" ;;
   esac
-  printf '%-26s %-18s %4d s  %s\n' "$name" "$status" $((SECONDS - start)) \
+  printf '%-30s %-18s %4d s  %s\n' "$name" "$status" $((SECONDS - start)) \
     "$(grep -v '^\s*$' "$out/$name.txt" | tail -n 1 | cut -c 1-100)" >> "$out/summary.txt"
 }
 
