@@ -1874,7 +1874,7 @@ def test_verdict_bug_across_a_wide_margin():
 def test_verdict_bug_at_a_near_tie():
     """The trap the margin sets: tokens 0 and 1 are 1e-4 apart, and the engine's logits differ
     from the reference's by 0.01, far more than the margin. A margin-against-difference rule would
-    call this rounding, but the reference is 1e-6 off the exact logits and the engine 0.01: BUG."""
+    call it rounding, but the reference is 1e-6 off the exact logits and the engine 0.01: BUG."""
     exact = logits(1.0, 1.0001, 0.0, -1.0, dtype=torch.float64)
     sequential = logits(1.000001, 1.0001, 0.0, -1.0)
     batched = logits(1.01, 1.0001, 0.0, -1.0)
