@@ -280,6 +280,19 @@ def attention_cut(lengths, n_slots, device):
     return best[1]
 
 
+def split_at_cut(rows, n_slots, device):
+    """A step's rows, each (run, slot, first position, token ids) as nanobatch.pack_step lays them out
+    -> (one_token, chunks, cut): the one-token rows no longer than the cut, which attend together over
+    every slot's first `cut` positions, and the rest, which attend alone over their own slot: a prompt's
+    chunk, or the one token of a slot past the cut. Where the cut is the longest one-token row (no row
+    much longer than the others), every one-token row attends together, and the chunks are the prompts'."""
+    cut = attention_cut([position + 1 for _, _, position, ids in rows if len(ids) == 1], n_slots, device)
+    attends_together = [len(ids) == 1 and position < cut for _, _, position, ids in rows]
+    one_token = [row for row, together in zip(rows, attends_together) if together]
+    chunks = [row for row, together in zip(rows, attends_together) if not together]
+    return one_token, chunks, cut
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading real GPT-2 checkpoints (Hugging Face layout)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from model import GPT, GPTConfig, PackedStep, attention_cut, check_cache_fits, default_cache_dir
+from model import GPT, GPTConfig, PackedStep, check_cache_fits, default_cache_dir, split_at_cut
 
 POLICIES = ("continuous", "static")
 EOT = 50256  # <|endoftext|>: GPT-2 ends a text with it
@@ -67,6 +67,12 @@ class Completion:
     token_times_s: list[float]  # seconds from the start of its arrival step to each of its tokens
 
 
+def letter(request_index):
+    """The request's name on screen: A-Z, then a-z, then A again."""
+    letters = string.ascii_uppercase + string.ascii_lowercase
+    return letters[request_index % len(letters)]
+
+
 @dataclass
 class StepReport:
     step: int
@@ -81,6 +87,7 @@ class StepReport:
     step_s: float  # seconds for the whole step, the scheduling around the model included
     sampled: list[int]  # request indices that made a token, in the order of logits' rows
     logits: torch.Tensor  # (R, V): the logits those tokens were sampled from
+    packed: PackedStep | None  # what the step's forward ran on, as model.forward_packed took it; None: no forward
     handed_over: list[int] = field(default_factory=list)  # Part 2: prompts the worker handed over this step
     kv_bytes: int = 0  # bytes of keys and values the worker copied into their slots
     kv_s: float = 0.0  # seconds those copies took, on the worker's side
@@ -213,11 +220,9 @@ def pack_step(work, padding_slots, n_slots, device):
     together in one call over every slot; chunks (a prompt's tokens) each in a call of their own."""
     rows = [(run, run.slot, run.n_cached, ids) for run, ids in work]  # (run, slot, first position, ids)
     rows += [(None, slot, 0, [0]) for slot in padding_slots]
-    # The attention cut (model.py; on a first read, take it as the longest row): a one-token row past
-    # it attends alone, as a chunk of one token, so that one long row does not make every slot read as far.
-    cut = attention_cut([position + 1 for _, _, position, ids in rows if len(ids) == 1], n_slots, device)
-    one_token = [(run, slot, position, ids) for run, slot, position, ids in rows if len(ids) == 1 and position < cut]
-    chunks = [(run, slot, position, ids) for run, slot, position, ids in rows if len(ids) > 1 or position >= cut]
+    # One-token rows attend together over every slot's first `cut` positions; chunks each alone over
+    # their own slot. On a first read take the cut as the longest one-token row (model.split_at_cut).
+    one_token, chunks, cut = split_at_cut(rows, n_slots, device)
     tokens, positions, slots, logit_rows, padding_rows, to_sample = [], [], [], [], [], []
     for run, slot, first_position, ids in one_token + chunks:
         tokens += ids
@@ -304,8 +309,9 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
             if work:
                 logits = model.forward_packed(packed, cache)[:len(to_sample)]  # (R, V): padding's rows dropped
                 new_tokens = sample_step(logits, to_sample, device)
-            else:  # Part 2: nothing to decode yet, so the loop waits for the worker in 4b
-                logits, new_tokens = cache.kv.new_empty(0, model.config.vocab_size), []
+            else:  # Part 2: nothing to decode yet, so no forward: the loop waits for the worker in 4b
+                packed, new_tokens = None, []
+                logits = torch.empty(0, model.config.vocab_size, dtype=cache.kv.dtype, device=device)  # (0, V)
             model_s = time.perf_counter() - model_start
             # 4b) Part 2: prompts the worker handed over, in their slots, each with its first token.
             handovers = worker.receive(wait=not work) if worker else []
@@ -338,7 +344,7 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
                     n_prompt_tokens=n_prompt_tokens, admitted=admitted,
                     finished=[(run.request_index, completions[run.request_index]) for run in finished],
                     model_s=model_s, step_s=time.perf_counter() - step_start,
-                    sampled=[run.request_index for run in to_sample], logits=logits,
+                    sampled=[run.request_index for run in to_sample], logits=logits, packed=packed,
                     handed_over=[handover.run.request_index for handover in handovers],
                     kv_bytes=sum(handover.kv_bytes for handover in handovers),
                     kv_s=sum(handover.kv_s for handover in handovers)))
@@ -665,12 +671,6 @@ def print_table(summaries, legend=False):
         print("\n" + "\n".join(f"{row}: {meaning}" for row, meaning in LEGEND.items()))
 
 
-def letter(request_index):
-    """The request's name on screen: A-Z, then a-z, then A again."""
-    letters = string.ascii_uppercase + string.ascii_lowercase
-    return letters[request_index % len(letters)]
-
-
 def print_step(report):
     """One line per step; read down the screen, the columns are the belt moving."""
     events = [f"+{letter(i)}" for i in report.admitted] + [f">{letter(i)}" for i in report.handed_over]
@@ -718,7 +718,7 @@ def run_all(model, requests, runs, args, eos_id, show_belt):
         reports, start = [], time.perf_counter()
 
         def on_step(report):
-            reports.append(replace(report, logits=None))  # the figures need no logits: keep no (R, V) per step
+            reports.append(replace(report, logits=None))  # no (R, V) per step; the packed step is small
             if show_belt:
                 print_step(report)
             elif sys.stderr.isatty():  # a long quiet run still shows that it is alive
@@ -822,8 +822,22 @@ DEMO_PROMPTS = ["The capital of France is", "Once upon a time, in a small villag
 DEMO_PREFILL_CHUNK = 32  # prompt tokens a step in --demo: a 40-token prompt takes two steps, seen as '~'
 
 
+@dataclass
+class Shown:
+    """What --demo or --prompt ran, for tools/belt_svg.py and tools/explore.py to draw."""
+    requests: list[Request]
+    runs: list[tuple]  # (name, n_slots, policy, prefill_chunk, disaggregate): run_all's runs, in order
+    completions: dict  # {run name: its Completions}
+    summaries: dict  # {run name: summarize(...)}
+    reports: dict  # {run name: its StepReports, without logits; each keeps its PackedStep}
+    tokenizer: object  # tiktoken's GPT-2 encoding, or None: the prompts were random tokens
+
+    def panels(self):  # tools/belt_svg.py's groups: one, a panel per run
+        return [[(name, n_slots, self.completions[name], self.summaries[name], None) for name, n_slots, *_ in self.runs]]
+
+
 def demo(args):
-    """A mixed workload through continuous, then static batching, the belt on screen -> its panels."""
+    """A mixed workload through continuous, then static batching, the belt on screen -> what it ran."""
     model = None if args.quick else load_gpt2(args.weights)  # None: --quick, or offline
     has_weights = model is not None
     model = model.to(args.device, args.dtype).eval() if has_weights else seeded_model(args)
@@ -852,7 +866,7 @@ def demo(args):
     name = "disaggregated" if args.disaggregate else "continuous"
     runs = [(name, args.slots, "continuous", args.prefill_chunk if args.disaggregate else prefill_chunk,
              args.disaggregate), ("static", args.slots, "static", prefill_chunk, False)]
-    summaries, completions, _ = run_all(model, requests, runs, args, EOT, show_belt=not args.quiet)
+    summaries, completions, reports = run_all(model, requests, runs, args, EOT, show_belt=not args.quiet)
     if tokenizer:
         print_texts(tokenizer, requests, completions[name])
     print_table(summaries, legend=True)
@@ -861,11 +875,11 @@ def demo(args):
           f"{cont['steps']} steps {name}, {stat['steps']} static, and the median request\nwaited "
           f"{cont['TTFT P50/P99 (steps)'][0]} steps for its first token, against {stat['TTFT P50/P99 (steps)'][0]}: "
           f"static refills the belt only once the longest answer of its batch is done.")
-    return [[(run, args.slots, completions[run], summaries[run], None) for run, *_ in runs]]
+    return Shown(requests, runs, completions, summaries, reports, tokenizer)
 
 
 def prompt_mode(args):
-    """Your prompts, real GPT-2, the belt on screen -> its panel."""
+    """Your prompts, real GPT-2, the belt on screen -> what it ran."""
     model = load_gpt2(args.weights)
     tokenizer = model and load_tokenizer(model)
     if not tokenizer:
@@ -876,10 +890,10 @@ def prompt_mode(args):
                         seed=args.seed + i) for i, text in enumerate(args.prompt)]
     name = "disaggregated" if args.disaggregate else args.policy
     run = (name, args.slots, args.policy, args.prefill_chunk, args.disaggregate)
-    summaries, completions, _ = run_all(model, requests, [run], args, EOT, show_belt=not args.quiet)
+    summaries, completions, reports = run_all(model, requests, [run], args, EOT, show_belt=not args.quiet)
     print_texts(tokenizer, requests, completions[name])
     print_table(summaries, legend=True)
-    return [[(name, args.slots, completions[name], summaries[name], None)]]
+    return Shown(requests, [run], completions, summaries, reports, tokenizer)
 
 
 def print_texts(tokenizer, requests, completions):
@@ -956,7 +970,7 @@ def run_cli(run, args):
         sys.exit(130)
 
 
-MODES = {  # --MODE: the function that runs it (it returns the belt's panels for tools/belt_svg.py), its options
+MODES = {  # --MODE: the function that runs it (it returns what it ran: Shown), its options
     "demo": (demo, SERVING | {"quick", "weights", "temperature", "top_k", "quiet"}),
     "prompt": (prompt_mode, SERVING | {"weights", "max_new_tokens", "temperature", "top_k", "policy", "quiet"}),
 }
@@ -965,7 +979,7 @@ MOVED = {"bench": "python tools/bench.py", "verify": "python tools/verify.py",
 
 
 def main(argv=None, prog="nanobatch.py"):
-    """Parse, refuse what does not apply to the mode, run it -> its panels."""
+    """Parse, refuse what does not apply to the mode, run it -> what it ran (Shown)."""
     argv = sys.argv[1:] if argv is None else argv
     for option, where in MOVED.items():
         if any(arg.split("=")[0] == f"--{option}" for arg in argv):

@@ -223,14 +223,14 @@ def split_attention_everywhere(monkeypatch):
     """Attention calls made free, so that a step's one-token rows split at a cut (some together,
     some each alone over its own slot) wherever their lengths differ, even in these tiny models
     (where the real cost of a call keeps them together) -> the cuts chosen, as (cut, longest) pairs."""
-    cuts, attention_cut = [], nanobatch.attention_cut
+    cuts, attention_cut = [], model_py.attention_cut
 
     def recording(lengths, n_slots, device):
         cuts.append((attention_cut(lengths, n_slots, device), max(lengths, default=0)))
         return cuts[-1][0]
 
     monkeypatch.setattr(model_py, "CALL_COST_IN_KEYS", {"cpu": 0, "gpu": 0})
-    monkeypatch.setattr(nanobatch, "attention_cut", recording)
+    monkeypatch.setattr(model_py, "attention_cut", recording)
     return cuts
 
 

@@ -189,7 +189,7 @@ def main(argv=None):
     path = parser.parse_args(argv[:1]).file  # FILE comes first; the rest is nanobatch.py's
     rest = argv[1:]
     mode = [] if any(arg.split("=")[0] in ("--demo", "--prompt") for arg in rest) else ["--demo"]
-    write_svg(path, nanobatch_main(mode + rest, prog="tools/belt_svg.py FILE"))
+    write_svg(path, nanobatch_main(mode + rest, prog="tools/belt_svg.py FILE").panels())
 
 
 if __name__ == "__main__":
