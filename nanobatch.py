@@ -309,9 +309,8 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
             if work:
                 logits = model.forward_packed(packed, cache)[:len(to_sample)]  # (R, V): padding's rows dropped
                 new_tokens = sample_step(logits, to_sample, device)
-            else:  # Part 2: nothing to decode yet, so no forward: the loop waits for the worker in 4b
-                packed, new_tokens = None, []
-                logits = torch.empty(0, model.config.vocab_size, dtype=cache.kv.dtype, device=device)  # (0, V)
+            else:  # Part 2: nothing to decode yet, so no forward, no logits (0, V): the loop waits for the worker in 4b
+                logits, new_tokens = torch.empty(0, model.config.vocab_size, dtype=cache.kv.dtype, device=device), []
             model_s = time.perf_counter() - model_start
             # 4b) Part 2: prompts the worker handed over, in their slots, each with its first token.
             handovers = worker.receive(wait=not work) if worker else []
@@ -344,7 +343,7 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
                     n_prompt_tokens=n_prompt_tokens, admitted=admitted,
                     finished=[(run.request_index, completions[run.request_index]) for run in finished],
                     model_s=model_s, step_s=time.perf_counter() - step_start,
-                    sampled=[run.request_index for run in to_sample], logits=logits, packed=packed,
+                    sampled=[run.request_index for run in to_sample], logits=logits, packed=packed if work else None,
                     handed_over=[handover.run.request_index for handover in handovers],
                     kv_bytes=sum(handover.kv_bytes for handover in handovers),
                     kv_s=sum(handover.kv_s for handover in handovers)))
@@ -833,7 +832,7 @@ class Shown:
     tokenizer: object  # tiktoken's GPT-2 encoding, or None: the prompts were random tokens
 
     def panels(self):  # tools/belt_svg.py's groups: one, a panel per run
-        return [[(name, n_slots, self.completions[name], self.summaries[name], None) for name, n_slots, *_ in self.runs]]
+        return [[(name, n, self.completions[name], self.summaries[name], None) for name, n, *_ in self.runs]]
 
 
 def demo(args):
