@@ -11,11 +11,14 @@ tokens" a fair demand. tools/ is tested here too.
 """
 import copy
 import ctypes
+import html.parser
 import io
 import json
 import math
 import os
 import random
+import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -37,13 +40,14 @@ import torch
 
 import model as model_py
 import nanobatch
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, PackedStep
 from nanobatch import POLICIES, Request, attention_mask, generate, generate_sequential, sample
 
 REPO = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO / "tools"))  # the tools a reader may skip, tested here all the same
 import belt_svg  # noqa: E402
 import bench  # noqa: E402
+import explore  # noqa: E402
 import verify  # noqa: E402
 from verify import verdict  # noqa: E402
 
@@ -51,8 +55,13 @@ TINY = dict(block_size=64, vocab_size=512, n_layer=2, n_head=4, n_embd=64)
 V = TINY["vocab_size"]  # the engine's tests: a token's cost is mostly the LM head's, n_embd x V, so a small V
 GPT2_V = 50257  # the input checks' model keeps GPT-2's vocabulary, and so its EOS id, 50256
 MAX_LEN = 32  # positions per slot in the engine tests: short, so that some answers run out of room
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = ["cpu", "cuda"] if HAS_CUDA else ["cpu"]  # CUDA cases are collected only where torch sees a GPU
+# One CPU thread for torch, here and in the programs the tests start (cli_env): models this small gain
+# nothing from a second, and torch's idle threads spin while they wait, so on two cores shared with
+# anything else two threads made the suite several times slower (measured: 19 engine tests took
+# 85-125 s, not 10-11 s). The tests of the prefill worker's thread split ask for 3 threads themselves.
+torch.set_num_threads(1)
 
 
 def tiny_gpt(device="cpu", dtype=torch.float64, seed=0, **sizes):
@@ -558,16 +567,23 @@ def test_where_the_prefill_worker_runs(monkeypatch):
     assert [nanobatch.split_threads(n) for n in (1, 2, 3, 16)] == [(1, 1), (1, 1), (1, 2), (8, 8)]
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_disaggregated_across_two_gpus(workload):
-    """With two GPUs the worker prefills on the second, with a copy of the weights, and the keys and
-    values cross to the first: still the reference's answers."""
-    requests, eos_id, _ = workload
-    model = tiny_gpt("cuda:0")
-    reference = generate_sequential(model, requests, max_len=MAX_LEN, eos_id=eos_id)
-    got = ends_within(TIMEOUT_S, generate, model, requests, n_slots=3, max_len=MAX_LEN, eos_id=eos_id,
-                      disaggregate=True)
-    assert first_difference(got, reference) == ""
+if HAS_CUDA:  # collected only where torch sees a GPU, as every CUDA case is
+    @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+    def test_disaggregated_across_two_gpus(workload):
+        """With two GPUs the worker prefills on the second, with a copy of the weights, and the keys and
+        values cross to the first: still the reference's answers."""
+        requests, eos_id, _ = workload
+        model = tiny_gpt("cuda:0")
+        reference = generate_sequential(model, requests, max_len=MAX_LEN, eos_id=eos_id)
+        got = ends_within(TIMEOUT_S, generate, model, requests, n_slots=3, max_len=MAX_LEN, eos_id=eos_id,
+                          disaggregate=True)
+        assert first_difference(got, reference) == ""
+else:
+    def test_cuda_cases():
+        """Where torch sees no GPU the CUDA cases are not collected at all: one skip says so, not one per case."""
+        pytest.skip("no CUDA GPU here: the CUDA cases (the engine and the disaggregated engine against the reference, "
+                    "the packed forward, the worker on a second GPU) are collected only where torch sees one; "
+                    "`bash tools/gpu_check.sh OUT_DIR` runs them on a GPU")
 
 
 def test_a_worker_failure_is_raised_not_hung(gpt, monkeypatch):
@@ -582,12 +598,15 @@ def test_a_worker_failure_is_raised_not_hung(gpt, monkeypatch):
                 raise RuntimeError("the prefill machine caught fire")
         return forward_packed(model, step, cache)
 
-    def serve():
+    def serve():  # a caller that asked for 3 threads, split 1 and 2: a setting not given back would show
         before = torch.get_num_threads()
+        torch.set_num_threads(3)
         try:
             generate(gpt, random_workload(seed=1), n_slots=3, max_len=MAX_LEN, eos_id=None, disaggregate=True)
         finally:
-            assert torch.get_num_threads() == before, "the caller's thread setting was not given back"
+            threads_after = torch.get_num_threads()
+            torch.set_num_threads(before)  # torch's default for threads started later, as the suite set it
+            assert threads_after == 3, "the caller's thread setting was not given back"
 
     monkeypatch.setattr(GPT, "forward_packed", failing)
     with pytest.raises(RuntimeError, match="caught fire") as error:
@@ -615,12 +634,15 @@ def test_no_thread_outlives_generate(gpt, monkeypatch, end):
             with_worker_when_stopped.append(report.n_prefilling)
             raise raised("stopped from on_step")
 
-    def serve():
+    def serve():  # a caller that asked for 3 threads, split 1 and 2: a setting not given back would show
         before = torch.get_num_threads()
+        torch.set_num_threads(3)
         try:
             generate(gpt, requests, n_slots=8, max_len=MAX_LEN, eos_id=None, disaggregate=True, on_step=on_step)
         finally:
-            assert torch.get_num_threads() == before, "the caller's thread setting was not given back"
+            threads_after = torch.get_num_threads()
+            torch.set_num_threads(before)  # torch's default for threads started later, as the suite set it
+            assert threads_after == 3, "the caller's thread setting was not given back"
 
     monkeypatch.setattr(GPT, "forward_packed", slow_worker)
     requests = [Request([1] * 20, 4) for _ in range(12)]  # all at once: prompts queue for the worker
@@ -840,9 +862,9 @@ def test_attention_cut_by_hand():
 
 @pytest.mark.parametrize("cut", ["by cost", "split"])
 @pytest.mark.parametrize("stale", ["previous sequences", "NaN"])
-@pytest.mark.parametrize("device, dtype, atol", [
-    ("cpu", torch.float32, 1e-5), ("cpu", torch.float64, 1e-10), pytest.param("cuda", torch.float32, 1e-5, marks=CUDA),
-    pytest.param("cuda", torch.bfloat16, None, marks=CUDA)])  # None: judged as tools/verify.py judges
+@pytest.mark.parametrize("device, dtype, atol", [  # atol None: judged as tools/verify.py judges
+    ("cpu", torch.float32, 1e-5), ("cpu", torch.float64, 1e-10)]
+    + ([("cuda", torch.float32, 1e-5), ("cuda", torch.bfloat16, None)] if HAS_CUDA else []))
 def test_packed_forward_matches_forward(device, dtype, atol, stale, cut, monkeypatch):
     """Three sequences in three of five slots, fed as the engine feeds them: prompts in chunks of
     1-3 tokens, packed into the same forward as other slots' decode tokens, then one token at a time.
@@ -943,7 +965,7 @@ def write_safetensors(path, tensors):
     header, chunks, offset = {}, [], 0
     for name, t in tensors.items():
         raw = ctypes.string_at(t.data_ptr(), t.nbytes)  # the tensor's memory, byte for byte, no numpy
-        dtype = {torch.float32: "F32", torch.float64: "F64"}[t.dtype]
+        dtype = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16"}[t.dtype]
         header[name] = dict(dtype=dtype, shape=list(t.shape), data_offsets=[offset, offset + len(raw)])
         chunks.append(raw)
         offset += len(raw)
@@ -1612,6 +1634,7 @@ def test_step_times_by_hand():
 
 def cli_env(tmp_path):
     return {**os.environ, "NANOBATCH_CACHE": str(tmp_path),  # an empty cache: no real weights found
+            "OMP_NUM_THREADS": "1",  # one CPU thread for torch, as in the suite (see torch.set_num_threads above)
             "PYTHONWARNINGS": "ignore",  # torch's import-time warnings are not the CLI's output
             # Every proxy points at a closed local port: a download attempt fails at once, offline.
             "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "no_proxy": ""}
@@ -1650,6 +1673,9 @@ def test_cli_demo_quick(tmp_path):
     assert [sorted(bars) for _, bars, _ in panels] == [list(range(32))] * 2, "not one bar per request per panel"
 
 
+@pytest.mark.skipif(os.environ.get("NANOBATCH_GPU_CHECK") != "1", reason=(
+    "the GPU check's dry run, eleven processes that each import torch, is left out of the default run: "
+    "`NANOBATCH_GPU_CHECK=1 python -m pytest -q -k gpu_check_on_the_cpu` runs it, as .ci/run does"))
 def test_gpu_check_on_the_cpu(tmp_path):
     """tools/gpu_check.sh --cpu: every step of the GPU check on the CPU with tiny models, each with
     its output and its summary line, all ok. Its outputs are then read as a user would: the bench
@@ -1907,3 +1933,451 @@ def test_verdict_in_float64(offset, expected):
     batched = exact + logits(offset, 0.0, 0.0, 0.0, dtype=torch.float64)
     name, figures = verdict(batched, exact.clone(), exact)
     assert name == expected, figures
+
+
+# ---------------------------------------------------------------------------------------------
+# 10) The step made visible: the README's worked step, and the page of tools/explore.py
+#
+# The README works one step through pack_step, number for number; the page draws every step of a real
+# run from the engine's own data (each StepReport's PackedStep), never a recomputation. Its rows and
+# masks must be what the loop's forward_packed calls received (captured here, in the calling thread
+# only: a prefill worker's own calls are not the loop's), its events what the StepReports said; a
+# planted broken mask must show in its data; the page must stand alone; and, where Chromium is
+# installed, a deep link must open on that step with those rows and cells in the DOM.
+
+
+def worked_step():
+    """The README's worked step, built by the engine's own plan_step and pack_step: A (slot 0) and B
+    (slot 1) decode, C (slot 2) has 3 of its 6 prompt tokens in, D (slot 3) has a one-token prompt,
+    the prompt budget is 4. Token ids are made up so that the tens name the request (A = 1..., D = 4...)
+    and the units the position."""
+    def running(index, slot, prompt, tokens, n_cached, arrival):
+        request = Request(prompt, max_new_tokens=10, arrival=arrival)
+        return nanobatch.Running(index, request, slot, None, admit_step=0, n_cached=n_cached, tokens=tokens)
+
+    belt = [running(0, 0, [10, 11], [12], n_cached=2, arrival=0),  # A: prompt and first token in but 12, at position 2
+            running(1, 1, [20, 21, 22], [23, 24, 25], n_cached=5, arrival=0),  # B: all in but 25, at position 5
+            running(2, 2, [30, 31, 32, 33, 34, 35], [], n_cached=3, arrival=1),  # C: 30..32 went in a step before
+            running(3, 3, [40], [], n_cached=0, arrival=2)]  # D: a one-token prompt, admitted this step
+    work = nanobatch.plan_step(belt, prefill_chunk=4)
+    return belt, *nanobatch.pack_step(work, [], n_slots=4, device=torch.device("cpu"))
+
+
+def readme_worked_step(belt, packed, to_sample):
+    """The worked step as the README prints it, made from the PackedStep: what the README must hold."""
+    M, D = len(packed.tokens), packed.n_one_token
+    name = [nanobatch.letter(belt[slot].request_index) for slot in packed.slots.tolist()]  # each row's request
+
+    def line(label, values):
+        return f"{label:<11}" + "".join(f"{value:>4}" for value in values)
+
+    (chunk_rows, chunk_slot, chunk_mask), = packed.chunks
+    top = [line("row", range(M)), line("request", name), line("tokens", packed.tokens.tolist()),
+           line("positions", packed.positions.tolist()), line("slots", packed.slots.tolist()),
+           f"n_one_token = {D}: rows 0..{D - 1} attend together; rows {chunk_rows.start}..{chunk_rows.stop - 1},"
+           f" a chunk, alone over slot {chunk_slot}",
+           f"logit_rows = {packed.logit_rows.tolist()}: the rows sampled, for "
+           + ", ".join(nanobatch.letter(run.request_index) for run in to_sample) + ", in that order"]
+    S, _, L = packed.one_token_mask.shape
+    bits = lambda mask_row: " ".join(str(int(v)) for v in mask_row)  # noqa: E731
+    one_token_slots = packed.slots[:D].tolist()
+    left = [f"one_token_mask, (S, 1, L) = ({S}, 1, {L})", f"{'query':<8}{'from':<12}" + " ".join(map(str, range(L)))]
+    for slot in range(S):
+        source = f"row {one_token_slots.index(slot)} ({name[one_token_slots.index(slot)]})" \
+            if slot in one_token_slots else "a dummy"
+        left.append(f"slot {slot}  {source:<12}{bits(packed.one_token_mask[slot, 0])}")
+    right = [f"chunks[0]: rows {chunk_rows.start}..{chunk_rows.stop - 1}, slot {chunk_slot}, (T, L) = "
+             f"{tuple(chunk_mask.shape)}", f"{'row (request, pos)':<20}" + " ".join(map(str, range(chunk_mask.size(-1))))]
+    for row, mask_row in zip(range(chunk_rows.start, chunk_rows.stop), chunk_mask):
+        right.append(f"row {row} ({name[row]}, {int(packed.positions[row])})        {bits(mask_row)}")
+    right += [""] * (len(left) - len(right))
+    return "\n".join(top + [""] + [f"{a:<42}{b}".rstrip() for a, b in zip(left, right)])
+
+
+def test_readme_worked_step():
+    """The README's worked step is what plan_step and pack_step make of that belt, number for number;
+    and the engine's own reading of it: row s of the one-token call is slot s's query, the dummy's
+    output dropped (attend_packed), the rows sampled in the order of the runs due a token."""
+    belt, packed, to_sample = worked_step()
+    assert packed.tokens.tolist() == [12, 25, 40, 33, 34, 35]
+    assert packed.n_one_token == 3 and packed.logit_rows.tolist() == [0, 1, 2, 5]
+    assert [run.request_index for run in to_sample] == [0, 1, 3, 2]
+    text = readme_worked_step(belt, packed, to_sample)
+    readme = (REPO / "README.md").read_text()
+    assert text in readme, "the README's worked step differs from what pack_step makes; it should read:\n" + text
+
+
+RUNS = {  # name -> generate's options: chunks beside one-token rows; static's padding; the worker's steps
+    "continuous": dict(n_slots=3, policy="continuous", prefill_chunk=5),
+    "static": dict(n_slots=3, policy="static", prefill_chunk=5),
+    "disaggregated": dict(n_slots=3, policy="continuous", prefill_chunk=None, disaggregate=True),
+}
+
+
+def on_host(packed):
+    """A PackedStep copied to the CPU now, so that what is compared is what the forward received."""
+    return PackedStep(packed.tokens.cpu().clone(), packed.positions.cpu().clone(), packed.slots.cpu().clone(),
+                      packed.n_one_token, packed.one_token_mask.cpu().clone(),
+                      [(rows, slot, mask.cpu().clone()) for rows, slot, mask in packed.chunks],
+                      packed.logit_rows.cpu().clone())
+
+
+FORWARD_PACKED = model_py.GPT.forward_packed  # the real one, before any test wraps it
+
+
+def record_forwards(monkeypatch):
+    """model.GPT.forward_packed, recording the PackedStep of every call made in the main thread -> that list."""
+    calls = []
+
+    def recording(self, step, cache):
+        if threading.current_thread() is threading.main_thread():  # the loop's; the worker's are its own
+            calls.append(on_host(step))
+        return FORWARD_PACKED(self, step, cache)
+
+    monkeypatch.setattr(model_py.GPT, "forward_packed", recording)
+    return calls
+
+
+def explored(monkeypatch, name):
+    """A run of RUNS[name] on a tiny model, its forward calls recorded -> (its page data, reports, calls)."""
+    options = RUNS[name]
+    requests, reports = random_workload(seed=3, n_requests=7), []
+    calls = record_forwards(monkeypatch)
+    completions = generate(tiny_gpt(), requests, max_len=MAX_LEN, eos_id=None, on_step=reports.append, **options)
+    run = (name, options["n_slots"], options["policy"], options["prefill_chunk"], options.get("disaggregate", False))
+    return explore.run_data(run, requests, completions, reports), reports, calls
+
+
+def bits(mask):
+    """(..., L) bool -> a string of 0/1 per row of L: the contract's "visible", worked out here on its own."""
+    return ["".join(str(int(visible)) for visible in row) for row in mask.reshape(-1, mask.size(-1)).tolist()]
+
+
+def check_against_forwards(data, reports, calls):
+    """Step by step: a step with a forward has exactly that call's rows and masks; one without has none."""
+    forward_steps = [(step, report) for step, report in zip(data["steps"], reports) if report.packed is not None]
+    assert len(forward_steps) == len(calls), f"{len(forward_steps)} steps with a forward, {len(calls)} calls"
+    for step in data["steps"]:
+        if not any(step is s for s, _ in forward_steps):
+            assert step["rows"] == [] and step["masks"] == [], f"step {step['step']}: rows without a forward"
+    for (step, report), call in zip(forward_steps, calls):
+        rows, where = step["rows"], f"step {step['step']}"
+        assert [row["slot"] for row in rows] == call.slots.tolist(), where
+        assert [row["position"] for row in rows] == call.positions.tolist(), where
+        assert [row["token"] for row in rows] == call.tokens.tolist(), where
+        n_sampled = len(report.sampled) - len(report.handed_over)  # handovers come after the forward's rows
+        sampled_rows, padding_rows = call.logit_rows[:n_sampled].tolist(), call.logit_rows[n_sampled:].tolist()
+        assert [i for i, row in enumerate(rows) if row["sampled"]] == sorted(sampled_rows), where
+        assert [rows[i]["request"] for i in sampled_rows] == report.sampled[:n_sampled], where
+        assert [i for i, row in enumerate(rows) if row["request"] is None] == sorted(padding_rows), where
+        assert all(row["kind"] == "padding" for row in rows if row["request"] is None), where
+        D, S = call.n_one_token, call.one_token_mask.size(0)
+        want = []
+        if D:  # a forward with no one-token rows has no one-token mask
+            row_of_slot = {slot: i for i, slot in enumerate(call.slots[:D].tolist())}
+            want.append(dict(slot=None, rows=[row_of_slot.get(s) for s in range(S)], visible=bits(call.one_token_mask)))
+        want += [dict(slot=slot, rows=list(range(chunk_rows.start, chunk_rows.stop)), visible=bits(mask))
+                 for chunk_rows, slot, mask in call.chunks]
+        got = [dict(slot=mask["slot"], rows=mask["rows"], visible=mask["visible"]) for mask in step["masks"]]
+        assert got == want, where
+
+
+@pytest.fixture(scope="module")
+def explored_runs():
+    """Each of RUNS once, for the tests below -> {name: (its page data, reports, calls)}."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return {name: explored(monkeypatch, name) for name in RUNS}
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_page_rows_and_masks_are_the_forwards(explored_runs, name):
+    """Every step's rows and masks in the page's data equal the PackedStep the loop's forward received;
+    a static run has padding rows, a disaggregated one steps with no forward."""
+    data, reports, calls = explored_runs[name]
+    check_against_forwards(data, reports, calls)
+    kinds = {row["kind"] for step in data["steps"] for row in step["rows"]}
+    if name == "static":
+        assert "padding" in kinds
+    if name == "disaggregated":
+        assert any(not step["rows"] for step in data["steps"]), "the loop never waited for the worker"
+        assert "chunk" not in kinds, "the loop fed a prompt chunk itself"
+    if name == "continuous":
+        assert any(step["n_one_token"] and any(row["kind"] == "chunk" for row in step["rows"])
+                   for step in data["steps"]), "no chunk went in beside one-token rows"
+
+
+def test_rows_past_the_cut_are_chunks_of_one(monkeypatch):
+    """With attention calls made free, long one-token rows attend alone: each a chunk of one row."""
+    monkeypatch.setattr(model_py, "CALL_COST_IN_KEYS", {"cpu": 0, "gpu": 0})
+    data, reports, calls = explored(monkeypatch, "continuous")
+    check_against_forwards(data, reports, calls)
+    alone = [mask for step in data["steps"] for mask in step["masks"]
+             if mask["slot"] is not None and step["rows"][mask["rows"][0]]["kind"] == "alone past the cut"]
+    assert alone, "no row attended alone past the cut"
+    assert all(len(mask["rows"]) == 1 and len(mask["visible"]) == 1 for mask in alone)
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_page_events_are_the_step_reports(explored_runs, name):
+    """Every step's events and counts in the page's data are its StepReport's."""
+    data, reports, _ = explored_runs[name]
+    assert len(data["steps"]) == len(reports)
+    for step, report in zip(data["steps"], reports):
+        assert (step["step"], step["belt"]) == (report.step, report.belt)
+        assert (step["admitted"], step["handed_over"]) == (report.admitted, report.handed_over)
+        assert step["finished"] == [[i, c.finish_reason, len(c.tokens)] for i, c in report.finished]
+        assert (step["n_waiting"], step["n_running"], step["n_prefilling"], step["n_prompt_tokens"]) == \
+               (report.n_waiting, report.n_running, report.n_prefilling, report.n_prompt_tokens)
+        assert len(step["waiting"]) == report.n_waiting, f"step {report.step}: the queue the page names"
+        assert (step["model_s"], step["step_s"]) == (pytest.approx(report.model_s, abs=1e-5),
+                                                     pytest.approx(report.step_s, abs=1e-5))
+
+
+def leaks(data):
+    """(step, mask slot, query row) wherever a query may see a position past its own."""
+    return [(step["step"], mask["slot"], r) for step in data["steps"] for mask in step["masks"]
+            for r, visible in zip(mask["rows"], mask["visible"])
+            if r is not None and "1" in visible[step["rows"][r]["position"] + 1:]]
+
+
+def sees_one_past_its_own(positions, L):
+    """Broken on purpose: a token may see the position after its own too."""
+    return torch.arange(L, device=positions.device)[None, None, :] <= positions[:, :, None] + 1  # (B, T, L)
+
+
+def test_a_broken_mask_shows_in_the_page(explored_runs, monkeypatch):
+    """The page draws the engine's masks, not its own: a mask that lets a row see the position after
+    its own shows as a 1 past the query's position; the engine's own never does."""
+    assert all(leaks(data) == [] for data, _, _ in explored_runs.values())
+    monkeypatch.setattr(nanobatch, "attention_mask", sees_one_past_its_own)
+    broken, reports, calls = explored(monkeypatch, "continuous")
+    check_against_forwards(broken, reports, calls)
+    assert leaks(broken), "the broken mask left no trace in the page's data"
+
+
+# ---------------------------------------------------------------------------------------------
+# The page itself: the --quick demo, written once for these tests
+
+
+@pytest.fixture(scope="module")
+def quick_page(tmp_path_factory):
+    """tools/explore.py FILE --quick --quiet, its forwards recorded -> (the page's text, its data, calls, Shown)."""
+    path = tmp_path_factory.mktemp("explore") / "belt.html"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        calls = record_forwards(monkeypatch)
+        shown = explore.main([str(path), "--quick", "--quiet"])
+    page = path.read_text()
+    data = json.loads(re.search(r'<script type="application/json" id="nanobatch-run">(.*?)</script>', page, re.S)[1])
+    return path, page, data, calls, shown
+
+
+def test_quick_page_data_are_the_forwards(quick_page):
+    """The data the page carries (parsed back out of it) are the forwards of both demo runs, in order."""
+    _, _, data, calls, shown = quick_page
+    assert [run["name"] for run in data["runs"]] == ["continuous", "static"]
+    for run in data["runs"]:
+        n_calls = sum(report.packed is not None for report in shown.reports[run["name"]])
+        check_against_forwards(run, shown.reports[run["name"]], calls[:n_calls])
+        calls = calls[n_calls:]
+    assert calls == []
+
+
+def test_the_page_stands_alone(quick_page):
+    """One file: no reference to anything outside it, and under 2 MB."""
+    _, page, _, _, _ = quick_page
+    assert len(page.encode()) < 2e6
+    outside_the_data = re.sub(r'<script type="application/json".*?</script>', "", page, flags=re.S)
+    assert not re.search(r"\b(src|href)\s*=", outside_the_data)
+    assert not re.search(r"<(link|iframe|img|object|embed)\b|@import|https?:", outside_the_data, re.I)
+    assert all(url == "url(#hatch)" for url in re.findall(r"url\([^)]*\)", outside_the_data))
+
+
+class DrawnStep(html.parser.HTMLParser):
+    """What a dumped DOM shows: #shown-step's text, each .row's (slot, position), each .cell's data-visible
+    (the legend's sample cells have none)."""
+    def __init__(self):
+        super().__init__()
+        self.step_text, self.in_step, self.rows, self.cells = "", False, [], []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        classes = (attrs.get("class") or "").split()
+        self.in_step = attrs.get("id") == "shown-step"
+        if "row" in classes:
+            self.rows.append((int(attrs["data-slot"]), int(attrs["data-position"])))
+        if "cell" in classes and "data-visible" in attrs:
+            self.cells.append(attrs["data-visible"])
+
+    def handle_data(self, data):
+        if self.in_step:
+            self.step_text += data
+
+    def handle_endtag(self, tag):
+        self.in_step = False
+
+
+@pytest.mark.parametrize("run_name, step_number", [("continuous", 5), ("static", 12)])
+def test_a_deep_link_opens_on_its_step(quick_page, run_name, step_number):
+    """Headless Chromium at FILE#run=NAME&step=N shows step N: its number, its rows, its mask cells."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("no Chromium here to open the page in (Debian: apt-get install chromium)")
+    path, _, data, _, _ = quick_page
+    dom = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                          f"{path.as_uri()}#run={run_name}&step={step_number}"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    shown = DrawnStep()
+    shown.feed(dom)
+    step = next(step for run in data["runs"] if run["name"] == run_name
+                for step in run["steps"] if step["step"] == step_number)
+    assert shown.step_text.strip() == str(step_number)
+    assert shown.rows == [(row["slot"], row["position"]) for row in step["rows"]]
+    assert "".join(shown.cells) == "".join("".join(mask["visible"]) for mask in step["masks"])
+
+
+PRESS_KEYS = """<script>
+function press(key) { window.dispatchEvent(new KeyboardEvent("keydown", {key})); }
+press("p"); press("ArrowRight");  // predict on, then one step on: its rows hidden
+document.body.dataset.hidden = document.querySelectorAll("#packed .row").length + " " + location.hash;
+press("Enter");  // revealed
+document.body.dataset.revealed = document.querySelectorAll("#packed .row").length + " " + location.hash;
+</script>
+</body>"""
+
+
+def test_predict_hides_the_next_step_until_revealed(quick_page, tmp_path):
+    """At continuous step 5, the keys p (predict) and right arrow: step 6 is shown, its address in
+    the hash, its packed rows hidden; Enter shows them."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("no Chromium here to open the page in (Debian: apt-get install chromium)")
+    _, page, data, _, _ = quick_page
+    pressed = tmp_path / "pressed.html"
+    pressed.write_text(page.replace("</body>", PRESS_KEYS))
+    dom = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                          f"{pressed.as_uri()}#run=continuous&step=5"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    n_rows = len(next(step for step in data["runs"][0]["steps"] if step["step"] == 6)["rows"])
+    assert 'data-hidden="0 #run=continuous&amp;step=6"' in dom
+    assert f'data-revealed="{n_rows} #run=continuous&amp;step=6"' in dom
+
+
+def test_rows_carry_the_token_text_where_a_tokenizer_is_loaded(explored_runs):
+    """With a tokenizer, each row's text is its token decoded alone; without one, the row has no text."""
+    data, reports, _ = explored_runs["continuous"]
+    report = next(report for report in reports if report.packed is not None)
+    tokenizer = SimpleNamespace(decode=lambda ids: f"<{ids[0]}>")  # a stand-in: what explore calls, and nothing else
+    rows, _ = explore.rows_and_masks(report.packed, report.step, explore.occupants([]), 0, tokenizer)
+    assert [row["text"] for row in rows] == [f"<{token}>" for token in report.packed.tokens.tolist()]
+    assert all("text" not in row for step in data["steps"] for row in step["rows"])
+
+
+# ---------------------------------------------------------------------------------------------
+# 11) The figures a reader reads, pinned against schedules worked by hand and torch's own draw
+#
+# The belt line, the time to first token, a seed's draws and a bfloat16 checkpoint: each is checked
+# against a statement made independently of the code under test, so that the engine and its
+# reference cannot agree on a wrong figure. Each schedule below is worked out by hand in its docstring.
+
+
+def belt_lines(reports, capsys):
+    """The lines print_step prints for these reports, as the demo shows them."""
+    capsys.readouterr()  # whatever came before
+    for report in reports:
+        nanobatch.print_step(report)
+    return capsys.readouterr().out.splitlines()
+
+
+def test_time_to_first_token_by_hand(gpt, monkeypatch):
+    """A clock that moves only while the model runs, 1 s a forward: then every time is a count of
+    forwards, worked out by hand. One slot, prompts 2 tokens a step. A (3 prompt tokens, 2 new,
+    arrives at step 0) takes steps 0 and 1 to go in: its first token at the end of step 1, t = 2,
+    its second at t = 3. B (1 prompt token, 3 new) arrives at step 1 (t = 1) and waits for the slot
+    until step 3: its tokens at t = 4, 5, 6. Time to first token is from the start of the arrival
+    step to the FIRST token (A 2 s, B 3 s), latency to the last (A 3 s, B 5 s)."""
+    clock = SimpleNamespace(now=0.0)
+    forward_packed = GPT.forward_packed
+
+    def one_second_forward(model, step, cache):
+        clock.now += 1.0
+        return forward_packed(model, step, cache)
+
+    monkeypatch.setattr(GPT, "forward_packed", one_second_forward)
+    monkeypatch.setattr(nanobatch, "time", SimpleNamespace(perf_counter=lambda: clock.now))  # the engine's clock only
+    requests = [Request([1, 2, 3], 2, arrival=0), Request([4], 3, arrival=1)]
+    reports = []
+    a, b = generate(gpt, requests, n_slots=1, max_len=MAX_LEN, eos_id=None, prefill_chunk=2, on_step=reports.append)
+    assert [(c.admit_step, c.first_token_step, c.finish_step) for c in (a, b)] == [(0, 1, 2), (3, 3, 5)]
+    assert (a.token_times_s, a.ttft_s, a.latency_s) == ([2.0, 3.0], 2.0, 3.0), a
+    assert (b.token_times_s, b.ttft_s, b.latency_s) == ([3.0, 4.0, 5.0], 3.0, 5.0), b
+    assert [(r.model_s, r.step_s) for r in reports] == [(1.0, 1.0)] * 6, "a step is its one forward here"
+
+
+def test_waiting_counts_arrived_requests_only(gpt, capsys):
+    """Two slots, whole prompts. A (3 new) and B (1 new) arrive at step 0 and take both slots; B
+    is done at once. C (2 new) and D (1 new) arrive at step 1: C takes B's slot, D waits (1) until
+    A and C finish at step 2, then takes slot 0 at step 3. E arrives at step 6: the belt is empty
+    at step 4, so the clock jumps to 6. Not yet arrived is not waiting: 0 at step 0, where C, D and
+    E are still to come."""
+    requests = [Request([1], 3, arrival=0), Request([2], 1, arrival=0), Request([3], 2, arrival=1),
+                Request([4], 1, arrival=1), Request([5], 1, arrival=6)]
+    reports = []
+    generate(gpt, requests, n_slots=2, max_len=MAX_LEN, eos_id=None, on_step=reports.append)
+    got = [(r.step, r.belt, r.n_waiting) for r in reports]
+    assert got == [(0, "AB", 0), (1, "AC", 1), (2, "AC", 1), (3, "D.", 0), (6, "E.", 0)], got
+    assert belt_lines(reports, capsys) == [
+        "step    0 |AB|  2/2 waiting   0  +A +B -B(length,1)",
+        "step    1 |AC|  2/2 waiting   1  +C",
+        "step    2 |AC|  2/2 waiting   1  -A(length,3) -C(length,2)",
+        "step    3 |D.|  1/2 waiting   0  +D -D(length,1)",
+        "step    6 |E.|  1/2 waiting   0  +E -E(length,1)"]
+
+
+def test_occupancy_counts_requests_that_made_a_token(gpt, capsys):
+    """The belt line's k/S: k requests made a token this step, of S slots; a prompt still going in
+    ('~') made none. Two slots, at most 2 prompt tokens a step, first come first served. A (prompt
+    of 1, 3 new) and B (prompt of 5, 2 new) arrive at step 0. Step 0: A's prompt goes in and A makes
+    its first token, 1 of B's 5 goes in: 1/2. Step 1: A's second token, 2 more of B's: 1/2. Step 2:
+    A's last token, B's last 2 go in and B makes its first: 2/2. Step 3: B's last token: 1/2."""
+    requests = [Request([1], 3), Request([2, 3, 4, 5, 6], 2)]
+    reports = []
+    generate(gpt, requests, n_slots=2, max_len=MAX_LEN, eos_id=None, prefill_chunk=2, on_step=reports.append)
+    got = [(r.step, r.belt, r.n_running, r.n_prefilling, r.n_prompt_tokens) for r in reports]
+    assert got == [(0, "A~", 1, 1, 2), (1, "A~", 1, 1, 2), (2, "AB", 2, 0, 2), (3, ".B", 1, 0, 0)], got
+    assert belt_lines(reports, capsys) == [
+        "step    0 |A~|  1/2 waiting   0  +A +B",
+        "step    1 |A~|  1/2 waiting   0",
+        "step    2 |AB|  2/2 waiting   0  -A(length,3)",
+        "step    3 |.B|  1/2 waiting   0  -B(length,2)"]
+
+
+def test_a_seed_draws_what_torch_multinomial_draws(gpt):
+    """The seed rule, stated with torch's own sampler: a request with seed s draws its tokens as
+    torch.multinomial(probs, 1) does with one torch.Generator seeded s, draw after draw, probs the
+    softmax of the plain forward's logits over its text so far, divided by its temperature. Three
+    requests batched in three slots, each with its own seed (a large one too): batch-mates never
+    move a request's draws. (A seed of s + 1 draws other tokens: at temperature 1.5 over 512 ids the
+    chance that 4 draws agree is nil.)"""
+    requests = [Request([7, 8, 9], 4, temperature=1.5, seed=seed) for seed in (0, 1, 2**40 + 3)]
+    got = generate(gpt, requests, n_slots=3, max_len=MAX_LEN, eos_id=None)
+    with torch.no_grad():
+        for request, completion in zip(requests, got):
+            generator, want = torch.Generator().manual_seed(request.seed), []
+            for _ in range(request.max_new_tokens):
+                logits = gpt(torch.tensor([request.prompt + want]))[0, -1]  # (V,)
+                probs = torch.softmax(logits / request.temperature, dim=-1)
+                want.append(int(torch.multinomial(probs, 1, generator=generator)))
+            assert completion.tokens == want, f"seed {request.seed}: drew {completion.tokens}, torch draws {want}"
+
+
+def test_load_a_bfloat16_safetensors_checkpoint(tmp_path):
+    """Fine-tuned GPT-2s are often saved in bfloat16. Such a .safetensors file loads into a float32
+    model with every weight the very bfloat16 value (bfloat16 to float32 is exact). Its bits read as
+    float16 instead would be other numbers altogether."""
+    saved = tiny_gpt(dtype=torch.bfloat16, seed=1, n_head=2, n_embd=128)
+    header = write_safetensors(tmp_path / "model.safetensors", hf_tensors(saved, buffers=False))
+    assert {entry["dtype"] for entry in header.values()} == {"BF16"}
+    loaded = GPT.from_pretrained(tmp_path / "model.safetensors")
+    assert loaded.config == saved.config
+    for (name, got), want in zip(loaded.named_parameters(), saved.parameters()):
+        assert got.dtype == torch.float32 and torch.equal(got, want.float()), f"{name}: {worst(got, want.float())}"
