@@ -105,7 +105,7 @@ class CausalSelfAttention(nn.Module):
             )  # (S, nh, 1, hs)
             y[:D] = out[one_token_slots, :, 0]
         # Chunks, one call each: T queries over the first L positions of their own slot, read as a
-        # view: a prompt chunk, or the one token of a slot past the cut. None pads to another's length.
+        # view: a prompt chunk, or the one token of a slot past the cut. No call pads to another's length.
         for rows, slot, mask in step.chunks:
             L = mask.size(-1)
             # 4-D, a batch of one: the CPU's fused kernel takes 4-D inputs only; 3-D ones fall back to

@@ -198,15 +198,15 @@ def attention_mask(positions, L):
 
     Each row of queries reads one slot only, so requests never see each other, and within a slot
     this one rule is causal attention over exactly the slot's own prefix: what lies beyond (keys a
-    previous occupant left, x below) is never seen. A step with slots 0, 1 and 3 decoding and a
-    prompt chunk going into slot 2; 1 = visible:
+    previous occupant left, x below) is never seen. The README's worked step: slots 0 and 1 decode,
+    slot 3 takes a one-token prompt, a prompt chunk goes into slot 2; 1 = visible:
 
       one-token rows: B = S = 4, T = 1, over every      a chunk in slot 2: B = 1, T = 3, the prompt's
       slot's first L = 6 positions (the longest row's)  positions 3..5 (0..2 went in a step before)
       cache position   0 1 2 3 4 5                      cache position   0 1 2 3 4 5
       slot 0, pos 2    1 1 1 0 0 0   (3.. hold x)              pos 3     1 1 1 1 0 0
       slot 1, pos 5    1 1 1 1 1 1                             pos 4     1 1 1 1 1 0
-      slot 2, no row   1 0 0 0 0 0   dropped                   pos 5     1 1 1 1 1 1
+      slot 2, no row   1 0 0 0 0 0   a dummy                   pos 5     1 1 1 1 1 1
       slot 3, pos 0    1 0 0 0 0 0   (1.. hold x)
     """
     key_positions = torch.arange(L, device=positions.device)  # (L,)
@@ -214,8 +214,8 @@ def attention_mask(positions, L):
 
 
 def pack_step(work, padding_slots, n_slots, device):
-    """work, [(run, the token ids it feeds)], as one model.PackedStep -> it, and the runs due a token
-    in its logits' order. padding_slots feed token 0 at position 0 for no one (static batching's
+    """work, [(run, the token ids it feeds)], as one model.PackedStep -> (that PackedStep, the runs
+    due a token, in its logits' order). padding_slots feed token 0 at position 0 for no one (static batching's
     finished rows; finite keys, seen by no other row). One-token rows, at most one a slot, attend
     together in one call over every slot; chunks (a prompt's tokens) each in a call of their own."""
     rows = [(run, run.slot, run.n_cached, ids) for run, ids in work]  # (run, slot, first position, ids)

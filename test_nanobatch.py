@@ -1952,7 +1952,7 @@ def test_verdict_in_float64(offset, expected):
 # installed, a deep link must open on that step with those rows and cells in the DOM.
 
 
-def worked_step():
+def worked_step(c_prompt_len=6):
     """The README's worked step, built by the engine's own plan_step and pack_step: A (slot 0) and B
     (slot 1) decode, C (slot 2) has 3 of its 6 prompt tokens in, D (slot 3) has a one-token prompt,
     the prompt budget is 4. Token ids are made up so that the tens name the request (A = 1..., D = 4...)
@@ -1963,10 +1963,15 @@ def worked_step():
 
     belt = [running(0, 0, [10, 11], [12], n_cached=2, arrival=0),  # A: prompt and first token in but 12, at position 2
             running(1, 1, [20, 21, 22], [23, 24, 25], n_cached=5, arrival=0),  # B: all in but 25, at position 5
-            running(2, 2, [30, 31, 32, 33, 34, 35], [], n_cached=3, arrival=1),  # C: 30..32 went in a step before
+            running(2, 2, list(range(30, 30 + c_prompt_len)), [], n_cached=3, arrival=1),  # C: 30..32 went in before
             running(3, 3, [40], [], n_cached=0, arrival=2)]  # D: a one-token prompt, admitted this step
     work = nanobatch.plan_step(belt, prefill_chunk=4)
     return belt, *nanobatch.pack_step(work, [], n_slots=4, device=torch.device("cpu"))
+
+
+def spaced_bits(mask_row):
+    """A mask's row as the README draws it: 1 or 0 per position, a space between."""
+    return " ".join(str(int(visible)) for visible in mask_row)
 
 
 def readme_worked_step(belt, packed, to_sample):
@@ -1985,25 +1990,25 @@ def readme_worked_step(belt, packed, to_sample):
            f"logit_rows = {packed.logit_rows.tolist()}: the rows sampled, for "
            + ", ".join(nanobatch.letter(run.request_index) for run in to_sample) + ", in that order"]
     S, _, L = packed.one_token_mask.shape
-    bits = lambda mask_row: " ".join(str(int(v)) for v in mask_row)  # noqa: E731
     one_token_slots = packed.slots[:D].tolist()
     left = [f"one_token_mask, (S, 1, L) = ({S}, 1, {L})", f"{'query':<8}{'from':<12}" + " ".join(map(str, range(L)))]
     for slot in range(S):
         source = f"row {one_token_slots.index(slot)} ({name[one_token_slots.index(slot)]})" \
             if slot in one_token_slots else "a dummy"
-        left.append(f"slot {slot}  {source:<12}{bits(packed.one_token_mask[slot, 0])}")
+        left.append(f"slot {slot}  {source:<12}{spaced_bits(packed.one_token_mask[slot, 0])}")
     right = [f"chunks[0]: rows {chunk_rows.start}..{chunk_rows.stop - 1}, slot {chunk_slot}, (T, L) = "
-             f"{tuple(chunk_mask.shape)}", f"{'row (request, pos)':<20}" + " ".join(map(str, range(chunk_mask.size(-1))))]
+             f"{tuple(chunk_mask.shape)}",
+             f"{'row (request, pos)':<20}" + " ".join(map(str, range(chunk_mask.size(-1))))]
     for row, mask_row in zip(range(chunk_rows.start, chunk_rows.stop), chunk_mask):
-        right.append(f"row {row} ({name[row]}, {int(packed.positions[row])})        {bits(mask_row)}")
+        right.append(f"row {row} ({name[row]}, {int(packed.positions[row])})        {spaced_bits(mask_row)}")
     right += [""] * (len(left) - len(right))
     return "\n".join(top + [""] + [f"{a:<42}{b}".rstrip() for a, b in zip(left, right)])
 
 
 def test_readme_worked_step():
-    """The README's worked step is what plan_step and pack_step make of that belt, number for number;
-    and the engine's own reading of it: row s of the one-token call is slot s's query, the dummy's
-    output dropped (attend_packed), the rows sampled in the order of the runs due a token."""
+    """The README's worked step is what plan_step and pack_step make of that belt, number for number,
+    the rows sampled in the order of the runs due a token; and so is its variant, C with a prompt of 8,
+    which takes the whole budget and leaves D out of the step."""
     belt, packed, to_sample = worked_step()
     assert packed.tokens.tolist() == [12, 25, 40, 33, 34, 35]
     assert packed.n_one_token == 3 and packed.logit_rows.tolist() == [0, 1, 2, 5]
@@ -2011,6 +2016,11 @@ def test_readme_worked_step():
     text = readme_worked_step(belt, packed, to_sample)
     readme = (REPO / "README.md").read_text()
     assert text in readme, "the README's worked step differs from what pack_step makes; it should read:\n" + text
+    _, packed, to_sample = worked_step(c_prompt_len=8)
+    variant = (f"rows `{packed.tokens.tolist()}`, `n_one_token = {packed.n_one_token}`, dummies for slots 2 and 3, "
+               f"`logit_rows = {packed.logit_rows.tolist()}`")
+    assert variant in " ".join(readme.split()), variant  # the README's lines wrap anywhere
+    assert packed.slots[:packed.n_one_token].tolist() == [0, 1] and [run.request_index for run in to_sample] == [0, 1]
 
 
 RUNS = {  # name -> generate's options: chunks beside one-token rows; static's padding; the worker's steps
@@ -2222,18 +2232,23 @@ class DrawnStep(html.parser.HTMLParser):
         self.in_step = False
 
 
-@pytest.mark.parametrize("run_name, step_number", [("continuous", 5), ("static", 12)])
-def test_a_deep_link_opens_on_its_step(quick_page, run_name, step_number):
-    """Headless Chromium at FILE#run=NAME&step=N shows step N: its number, its rows, its mask cells."""
+def opened(path, link):
+    """Headless Chromium at FILE#link -> (the DOM as text, what it shows: a DrawnStep); without Chromium, a skip."""
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.skip("no Chromium here to open the page in (Debian: apt-get install chromium)")
-    path, _, data, _, _ = quick_page
     dom = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
-                          f"{path.as_uri()}#run={run_name}&step={step_number}"],
-                         capture_output=True, text=True, timeout=30, check=True).stdout
+                          f"{path.as_uri()}#{link}"], capture_output=True, text=True, timeout=30, check=True).stdout
     shown = DrawnStep()
     shown.feed(dom)
+    return dom, shown
+
+
+@pytest.mark.parametrize("run_name, step_number", [("continuous", 5), ("static", 12)])
+def test_a_deep_link_opens_on_its_step(quick_page, run_name, step_number):
+    """Headless Chromium at FILE#run=NAME&step=N shows step N: its number, its rows, its mask cells."""
+    path, _, data, _, _ = quick_page
+    _, shown = opened(path, f"run={run_name}&step={step_number}")
     step = next(step for run in data["runs"] if run["name"] == run_name
                 for step in run["steps"] if step["step"] == step_number)
     assert shown.step_text.strip() == str(step_number)
@@ -2241,31 +2256,61 @@ def test_a_deep_link_opens_on_its_step(quick_page, run_name, step_number):
     assert "".join(shown.cells) == "".join("".join(mask["visible"]) for mask in step["masks"])
 
 
+@pytest.mark.parametrize("link, run_name, which, notice", [
+    ("run=Static&step=12", "continuous", 12, True),  # a misspelt run: the first, and a notice naming the runs
+    ("run=static&step=abc", "static", 0, False),  # a step not a number: the first step
+    ("run=static&step=100000", "static", -1, False),  # past the end: the last
+])
+def test_a_deep_link_that_names_nothing_here(quick_page, link, run_name, which, notice):
+    """A run not in the page opens the first run with a one-line notice naming the runs there are; a step
+    that is not a number opens the first step; a step past the end the last."""
+    path, _, data, _, _ = quick_page
+    dom, shown = opened(path, link)
+    steps = next(run["steps"] for run in data["runs"] if run["name"] == run_name)
+    step = next(s for s in steps if s["step"] >= which) if which >= 0 else steps[-1]
+    assert shown.step_text.strip() == str(step["step"])
+    assert shown.rows == [(row["slot"], row["position"]) for row in step["rows"]]
+    assert ('No run named "Static" here; the runs are: continuous, static.' in dom) == notice
+    assert ('<div id="notice" hidden' in dom) != notice
+
+
+def test_a_deep_link_with_predict_opens_on_the_question(quick_page):
+    """#run=NAME&step=N&predict=1: predict on, step N shown with its rows and masks hidden, the link kept."""
+    path, _, _, _, _ = quick_page
+    dom, shown = opened(path, "run=continuous&step=12&predict=1")
+    assert shown.step_text.strip() == "12" and shown.rows == [] and shown.cells == []
+    assert "M = ? rows" in dom and "make a token" not in dom.split('id="step-info"')[1].split("</div>")[0]
+
+
 PRESS_KEYS = """<script>
 function press(key) { window.dispatchEvent(new KeyboardEvent("keydown", {key})); }
-press("p"); press("ArrowRight");  // predict on, then one step on: its rows hidden
-document.body.dataset.hidden = document.querySelectorAll("#packed .row").length + " " + location.hash;
+function shown() {  // the rows drawn, the address, and whether a figure that follows from the packing shows
+  const text = document.getElementById("step-info").textContent + document.getElementById("packed-title").textContent;
+  return document.querySelectorAll("#packed .row").length + " " + location.hash + " " +
+    /make a token|prompt tokens|padding row|dumm|M = [0-9]/.test(text);
+}
+press("p");  // predict on: the step shown becomes the question
+document.body.dataset.asked = shown();
+press("ArrowRight");  // one step on: its rows, and the figures that give them away, hidden
+document.body.dataset.hidden = shown();
 press("Enter");  // revealed
-document.body.dataset.revealed = document.querySelectorAll("#packed .row").length + " " + location.hash;
+document.body.dataset.revealed = shown();
 </script>
 </body>"""
 
 
 def test_predict_hides_the_next_step_until_revealed(quick_page, tmp_path):
-    """At continuous step 5, the keys p (predict) and right arrow: step 6 is shown, its address in
-    the hash, its packed rows hidden; Enter shows them."""
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        pytest.skip("no Chromium here to open the page in (Debian: apt-get install chromium)")
+    """At continuous step 5, the key p (predict) hides step 5's packed rows and every figure that follows
+    from them (M, the counts, prompt tokens spent, padding, dummies); the right arrow: step 6, as hidden,
+    its address (predict kept) in the hash; Enter shows them all."""
     _, page, data, _, _ = quick_page
     pressed = tmp_path / "pressed.html"
     pressed.write_text(page.replace("</body>", PRESS_KEYS))
-    dom = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
-                          f"{pressed.as_uri()}#run=continuous&step=5"],
-                         capture_output=True, text=True, timeout=30, check=True).stdout
+    dom, _ = opened(pressed, "run=continuous&step=5")
     n_rows = len(next(step for step in data["runs"][0]["steps"] if step["step"] == 6)["rows"])
-    assert 'data-hidden="0 #run=continuous&amp;step=6"' in dom
-    assert f'data-revealed="{n_rows} #run=continuous&amp;step=6"' in dom
+    assert 'data-asked="0 #run=continuous&amp;step=5&amp;predict=1 false"' in dom
+    assert 'data-hidden="0 #run=continuous&amp;step=6&amp;predict=1 false"' in dom
+    assert f'data-revealed="{n_rows} #run=continuous&amp;step=6&amp;predict=1 true"' in dom
 
 
 def test_rows_carry_the_token_text_where_a_tokenizer_is_loaded(explored_runs):

@@ -53,13 +53,16 @@ def every(px_per_unit, min_gap_px, choices):
 
 
 def stay_svg(i, c, step_w, row_h):
-    """Request i's stay in its slot: a bar from its admit step to its last token, its prefill-only
-    steps hatched over, its letter if the bar has room for one, and a tooltip on hover."""
+    """Request i's stay in its slot: a bar from its admit step to its last token, the steps before its
+    first token hatched over (its prompt not all in the cache yet: it may wait for the prompt budget, or
+    for the worker, before any of it goes in), its letter if the bar has room for one, and a tooltip."""
     x, y, height = LEFT + c.admit_step * step_w, TITLE_H + c.slot * row_h, row_h - 1  # 1 px between rows
     width, n_prefill_steps = (c.finish_step - c.admit_step + 1) * step_w, c.first_token_step - c.admit_step
-    tip = f"request {letter(i)}, slot {c.slot}: steps {c.admit_step}-{c.finish_step}, {len(c.tokens)} tokens"
-    if n_prefill_steps:
-        tip += f"; prompt prefilled in steps {c.admit_step}-{c.first_token_step - 1}"
+    n_tokens = len(c.tokens)
+    tip = (f"request {letter(i)}, slot {c.slot}: steps {c.admit_step}-{c.finish_step}, "
+           f"{n_tokens} token{'' if n_tokens == 1 else 's'}")
+    if n_prefill_steps:  # in its slot, but its prompt not all in the cache: waiting for the budget or the worker
+        tip += f"; no token yet in steps {c.admit_step}-{c.first_token_step - 1}: its prompt not all in"
     parts = [tag("title", escape(tip)),
              tag("rect", class_="stay", data_request=i, data_slot=c.slot, data_admit=c.admit_step,
                  data_finish=c.finish_step, x=x, y=y, width=width, height=height, fill=colour(i),
@@ -126,7 +129,7 @@ def panel_svg(title, n_slots, completions, summary, step_times, step_w, n_axis_s
 def legend_svg(has_step_times):
     """Above the panels, what the marks mean, on as many lines as it takes -> (its SVG, its height)."""
     keys = [([colour(2)], "a request in its slot, with its letter (hover over it: details)"),
-            ([colour(2), "url(#hatch)"], "its prompt being prefilled: no token yet"),
+            ([colour(2), "url(#hatch)"], "no token yet: its prompt not all in"),
             (["#eee"], "an idle slot"), (["#666"], "busy: the share of slots holding a request")]
     keys += [([STEP_COLOUR], "ms: how long each step took"),
              (["#bbb"], "a step in which no request decoded")] if has_step_times else []
@@ -180,16 +183,24 @@ def checked_path(path):
     return path
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="tools/belt_svg.py", usage="%(prog)s FILE [options of nanobatch.py "
-                                     "--demo, or --prompt TEXT ...]", description="The belt drawn into FILE, a "
-                                     "panel per run: the demo's (continuous, then static), or your prompts'.")
-    parser.add_argument("file", metavar="FILE", type=checked_path, help="where to write the SVG")
+def run_for_file(argv, prog, description, what):
+    """argv: FILE, then nanobatch.py's options (--demo's, or --prompt TEXT ...). FILE's folder is
+    checked first, then the demo or the prompts run as nanobatch.py runs them, the belt on screen
+    -> (FILE, the options after it, what ran: nanobatch.Shown). tools/explore.py starts the same way."""
+    parser = argparse.ArgumentParser(prog=prog, usage="%(prog)s FILE [options of nanobatch.py --demo, or --prompt "
+                                     "TEXT ...]", description=description)
+    parser.add_argument("file", metavar="FILE", type=checked_path, help=f"where to write the {what}")
     argv = sys.argv[1:] if argv is None else argv
     path = parser.parse_args(argv[:1]).file  # FILE comes first; the rest is nanobatch.py's
     rest = argv[1:]
     mode = [] if any(arg.split("=")[0] in ("--demo", "--prompt") for arg in rest) else ["--demo"]
-    write_svg(path, nanobatch_main(mode + rest, prog="tools/belt_svg.py FILE").panels())
+    return path, rest, nanobatch_main(mode + rest, prog=f"{prog} FILE")
+
+
+def main(argv=None):
+    path, _, shown = run_for_file(argv, "tools/belt_svg.py", "The belt drawn into FILE, a panel per run: the "
+                                  "demo's (continuous, then static), or your prompts'.", "SVG")
+    write_svg(path, shown.panels())
 
 
 if __name__ == "__main__":

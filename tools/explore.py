@@ -6,21 +6,21 @@ A real run, step by step, in one page: the belt, each step's packed rows, and th
 
 It runs the demo (or your prompts) exactly as nanobatch.py does, the belt on screen, then writes
 FILE: one HTML page, its data, style and script inside it, that opens from disk with no network.
-FILE#run=continuous&step=12 opens it at step 12. The page draws what the engine recorded (each
-StepReport and the PackedStep its forward ran on), never a recomputation, so a broken mask shows as a
-broken grid. Record once, replay in the page: the data sit in <script id="nanobatch-run">, and one
-function, render(run, step), draws a step from them alone.
+FILE#run=continuous&step=12 opens it at step 12; with &predict=1, as a question for a class (its packed
+rows hidden until revealed). The page draws what the engine recorded (each StepReport and the PackedStep
+its forward ran on), never a recomputation, so a broken mask shows as a broken grid. Record once, replay
+in the page: the data sit in <script id="nanobatch-run">, and one function, render(run, step), draws a
+step from them alone.
 """
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanobatch.py and model.py
-from belt_svg import HATCH, LEFT, RIGHT, SVG_WIDTH, checked_path, colour, panel_svg, tag  # noqa: E402
-from nanobatch import fail, letter, main as nanobatch_main  # noqa: E402
+from belt_svg import AXIS_H, HATCH, LEFT, RIGHT, SVG_WIDTH, TITLE_H, colour, panel_svg, run_for_file, tag  # noqa: E402
+from nanobatch import fail, letter  # noqa: E402
 
-LANE_H = 9  # px: one prompt held by the prefill worker, in its lane under the belt
+LANE_H = 13  # px: one prompt held by the prefill worker, in its lane under the belt: room for a letter
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,37 +119,51 @@ def page_data(shown, command=""):
 
 def worker_lane_svg(completions, step_w, top):
     """The prompts the prefill worker holds, each a bar from its admission (phase 2) to its handover
-    (phase 4b), in as few lanes as their overlaps allow -> (its SVG, where the next part begins)."""
-    title = "the prefill worker (Part 2): the prompts it holds, each from its admission (phase 2) to its handover (4b)"
+    (phase 4b), its letter where it fits; bars that overlap in time stack in lanes, as few as their
+    overlaps allow -> (its SVG, where its bars begin, where the next part begins)."""
+    title = ("the prefill worker (Part 2): the prompts it holds, each from its admission (phase 2) to its handover "
+             "(phase 4b)")
     parts, lane_ends = [tag("text", title, x=8, y=top + 12, font_size=12, font_weight="bold")], []
-    top += 18
+    top += 18  # the bars start below the title, and so does the frame of the step shown
     for admit_step, handover_step, i in sorted((c.admit_step, c.first_token_step, i)
                                                for i, c in enumerate(completions) if c is not None):
         lane = next((k for k, end in enumerate(lane_ends) if end < admit_step), len(lane_ends))  # the first free
         lane_ends[lane:lane + 1] = [handover_step]
+        x, y, width = LEFT + admit_step * step_w, top + lane * LANE_H, (handover_step - admit_step + 1) * step_w
         tip = tag("title", f"{letter(i)}: admitted at step {admit_step}, handed over at step {handover_step}")
-        parts.append(tag("rect", tip, class_="held", data_request=i, x=LEFT + admit_step * step_w,
-                         y=top + lane * LANE_H, width=(handover_step - admit_step + 1) * step_w, height=LANE_H - 1,
-                         fill=colour(i)))
+        parts.append(tag("rect", tip, class_="held", data_request=i, x=x, y=y, width=width, height=LANE_H - 1,
+                         fill=colour(i), stroke="white", stroke_width=0.5))
+        if width >= 9:  # room for a letter of 10 px
+            parts.append(tag("text", letter(i), x=x + width / 2, y=y + LANE_H / 2, font_size=10,
+                             text_anchor="middle", dominant_baseline="central"))
     parts.append(tag("text", "worker", x=LEFT - 8, y=top + 8, font_size=10, fill="#555", text_anchor="end"))
-    return "".join(parts), top + max(1, len(lane_ends)) * LANE_H + 8
+    return "".join(parts), top, top + max(1, len(lane_ends)) * LANE_H + 8
+
+
+def step_frame(y, height, step_w):
+    """The step shown, over the slots (or the worker's lanes): a translucent column with a thin outline,
+    so that the letters under it stay readable. The page moves it to the step shown (its x)."""
+    return tag("rect", class_="mark", x=LEFT, y=y, width=max(step_w, 3), height=height, fill="#1f4e99",
+               fill_opacity=0.18, stroke="#1f4e99", stroke_width=1)
 
 
 def belts_html(shown):
-    """A belt per run, all on one step scale (as belt_svg.py draws a group), each with a frame on the
-    step shown, which the page moves: a <div class="belt" data-run=NAME> each."""
-    n_steps = max(c.finish_step + 1 for completions in shown.completions.values() for c in completions if c)
-    step_w = (SVG_WIDTH - LEFT - RIGHT) / n_steps  # px per step: the longest run spans the width
+    """A belt per run, each on its own step scale (the page shows one run at a time, so each fills the
+    width), with a frame on the step shown, which the page moves: a <div class="belt" data-run=NAME>
+    each. The SVG scales to the window (a viewBox), so no scrollbar at 1000 px."""
     belts = []
     for name, n_slots, _, _, disaggregate in shown.runs:
-        panel, bottom = panel_svg(name, n_slots, shown.completions[name], shown.summaries[name], None, step_w,
-                                  n_steps, 1, 0)
+        completions = shown.completions[name]
+        n_steps = max((c.finish_step + 1 for c in completions if c), default=1)
+        step_w = (SVG_WIDTH - LEFT - RIGHT) / n_steps  # px per step: this run spans the width
+        panel, bottom = panel_svg(name, n_slots, completions, shown.summaries[name], None, step_w, n_steps, 1, 0)
+        # The frame covers the slots and the busy strip, from under the title to above the axis
+        frames = [step_frame(TITLE_H, bottom - AXIS_H - 4 - TITLE_H, step_w)]
         lane = ""
         if disaggregate:
-            lane, bottom = worker_lane_svg(shown.completions[name], step_w, bottom)
-        frame = tag("rect", class_="mark", x=LEFT, y=20, width=max(step_w, 2), height=bottom - 36, fill="none",
-                    stroke="black", stroke_width=1.5)
-        svg = tag("svg", tag("defs", HATCH) + panel + lane + frame, width=SVG_WIDTH, height=bottom,
+            lane, lanes_top, bottom = worker_lane_svg(completions, step_w, bottom)
+            frames.append(step_frame(lanes_top, bottom - 8 - lanes_top, step_w))  # the lanes, not their title
+        svg = tag("svg", panel + lane + "".join(frames), viewBox=f"0 0 {SVG_WIDTH} {bottom}",
                   font_family="sans-serif", data_left=LEFT, data_step_width=repr(step_w))
         belts.append(f'<div class="belt" data-run="{name}">{svg}</div>')
     return "\n".join(belts)
@@ -158,21 +172,13 @@ def belts_html(shown):
 def page_html(shown, command=""):
     """The whole page as text: PAGE, the belts and the data put in."""
     data = json.dumps(page_data(shown, command), separators=(",", ":")).replace("<", "\\u003c")  # no "</script>"
-    return PAGE.replace("__BELTS__", belts_html(shown)).replace("__DATA__", data)
+    return PAGE.replace("__HATCH__", HATCH).replace("__BELTS__", belts_html(shown)).replace("__DATA__", data)
 
 
 def main(argv=None):
     """Run the demo or the prompts as nanobatch.py does, write FILE -> what ran (nanobatch.Shown)."""
-    parser = argparse.ArgumentParser(prog="tools/explore.py", usage="%(prog)s FILE [options of nanobatch.py "
-                                     "--demo, or --prompt TEXT ...]", description="A run, step by step, in one "
-                                     "HTML page written to FILE: the demo's (continuous, then static), or your "
-                                     "prompts'.")
-    parser.add_argument("file", metavar="FILE", type=checked_path, help="where to write the page")
-    argv = sys.argv[1:] if argv is None else argv
-    path = parser.parse_args(argv[:1]).file  # FILE comes first; the rest is nanobatch.py's
-    rest = argv[1:]
-    mode = [] if any(arg.split("=")[0] in ("--demo", "--prompt") for arg in rest) else ["--demo"]
-    shown = nanobatch_main(mode + rest, prog="tools/explore.py FILE")
+    path, rest, shown = run_for_file(argv, "tools/explore.py", "A run, step by step, in one HTML page written to "
+                                     "FILE: the demo's (continuous, then static), or your prompts'.", "page")
     try:
         Path(path).write_text(page_html(shown, " ".join(["python tools/explore.py", path, *rest])))
     except OSError as e:  # no permission, a folder by that name
@@ -207,8 +213,7 @@ PAGE = r"""<!DOCTYPE html>
   #shown-step { font-weight: bold; font-size: 15px; }
   .phase { display: inline-block; font: normal 11px sans-serif; color: #555; background: #eef;
            border: 1px solid #ccd; border-radius: 8px; padding: 0 6px; margin-left: 6px; }
-  .belt { overflow-x: auto; }
-  .belt svg { display: block; cursor: pointer; }
+  .belt svg { display: block; cursor: pointer; width: 100%; height: auto; max-width: 1500px; }
   .info { display: flex; flex-wrap: wrap; gap: 4px 18px; }
   .info > span { white-space: nowrap; }
   .chip { display: inline-block; font: 12px monospace; padding: 0 3px; border-radius: 3px; margin-right: 2px; }
@@ -245,6 +250,7 @@ PAGE = r"""<!DOCTYPE html>
   .cell.hole { outline: 2px solid #06c; outline-offset: -2px; }
   .concealed { padding: 14px; background: #fff8e0; border: 1px dashed #c90; font-size: 14px; }
   .nothing { color: #666; font-style: italic; }
+  #notice { margin-top: 4px; padding: 2px 6px; background: #fff3cd; border: 1px solid #c90; }
   #legend { margin-top: 18px; border-top: 1px solid #ddd; font-size: 12px; }
   #legend dl { display: grid; grid-template-columns: max-content 1fr; gap: 2px 12px; margin: 4px 0; }
   #legend dt { text-align: right; }
@@ -252,6 +258,9 @@ PAGE = r"""<!DOCTYPE html>
 </style>
 </head>
 <body>
+<!-- The belts' hatching, defined once in an SVG that is always rendered: a pattern inside a hidden belt
+     (display: none) draws nothing, in Chrome, for the belts that use it. -->
+<svg width="0" height="0" style="position: absolute" aria-hidden="true"><defs>__HATCH__</defs></svg>
 <header>
   <h1>nanobatch, step by step</h1><span class="command" id="command"></span>
   <div class="controls">
@@ -266,15 +275,16 @@ PAGE = r"""<!DOCTYPE html>
     <button id="reveal" title="show the hidden step (Enter)" disabled>reveal</button>
     <span class="command">keys: &larr; &rarr; home end, space play, p predict, enter reveal, t next run</span>
   </div>
+  <div id="notice" hidden></div>
 </header>
 
-<h2>the belt: slots against steps, the step shown framed <span class="phase">phase 6: each step's report</span>
+<h2>the belt: slots against steps, the step shown in blue <span class="phase">phase 6: each step's report</span>
   <span class="phase">click a step to go there</span></h2>
 __BELTS__
 
 <h2>the step shown <span class="phase">phases 1-2: arrive, admit</span>
-  <span class="phase">5: new tokens, stopping</span>
-  <span class="phase">7: retire</span></h2>
+  <span class="phase">phase 5: new tokens, stopping</span>
+  <span class="phase">phase 7: retire</span></h2>
 <div id="step-info" class="info"></div>
 
 <h2 id="packed-title">the packed step</h2>
@@ -288,10 +298,11 @@ __BELTS__
   <h2>legend</h2>
   <dl>
     <dt>the belt</dt><dd>a bar per request in its slot, its letter and colour the same everywhere on this page;
-      hatched: its prompt going in (with <code>--disaggregate</code>: held by the prefill worker), no token yet;
-      grey: an idle slot; <b>busy</b>: the share of slots holding a request; the black frame: the step shown;
-      <b>worker</b> (with <code>--disaggregate</code>): the prompts the prefill worker holds, from admission to
-      handover.</dd>
+      hatched: in its slot, no token yet, its prompt not all in the cache (it may wait for the prompt budget, or
+      for the worker, before any of it goes in); grey: an idle slot; <b>busy</b>: the share of slots holding a
+      request; the blue column: the step shown; <b>worker</b> (with <code>--disaggregate</code>): the prompts the
+      prefill worker holds, a bar each from admission to handover; bars that overlap in time stack in lanes,
+      one under another.</dd>
     <dt class="mono">step 12 |AB~.| 2/4 waiting 3</dt><dd>the line the terminal printed for the step: per slot,
       the letter of the request that made a token, <code>~</code> a prompt not all in yet (or with the worker),
       <code>.</code> a slot doing no useful work; then the requests that made a token / the slots, and the
@@ -306,7 +317,10 @@ __BELTS__
       was loaded); a black underline: its logits are sampled (its request makes a token this step). The groups:
       <b>one-token rows</b> (a decoding token, or a one-token prompt; at most one a slot; rows 0..D-1, attending
       together), a prompt's <b>chunk</b>, <b>padding</b> (dashed), and a one-token row <b>alone past the cut</b>
-      (orange: its slot is so much longer than the others that it attends in a call of its own).</dd>
+      (orange): the one-token call reads every slot's first L positions, and pack_step picks L, the cut, to read
+      the fewest keys, a call of its own costing as much as ~150 keys on a CPU (20,000 on a GPU); a row longer
+      than the cut attends alone. Padding rows count as one-token rows of length 1, so in a static run they can
+      pull the cut down to 1, and a real row attends alone though it is no longer than the others.</dd>
     <dt>a mask grid</dt><dd>a row per query, a column per cache position of its call's L:
       <i class="cell v1" style="--c: hsl(80,70%,65%)"></i> 1, may attend (its request's colour; grey: padding or
       a dummy); <i class="cell own v1" style="--c: hsl(80,70%,65%)"></i> its own position;
@@ -343,13 +357,17 @@ function tokenText(row) {  // the token's text, spaces and newlines made visible
   return DATA.has_text ? JSON.stringify(row.text).slice(1, -1).replace(/ /g, "\u00b7") : String(row.token);
 }
 
-// The step in words: the line the terminal printed, then what each phase did.
-function stepInfo(run, step) {
+// The step in words: the line the terminal printed, then what each phase did. concealed: the class
+// predicts this step, so only its premise shows (who sits where going in, who was admitted, the
+// queue); every figure that follows from the packing, or from the forward, waits for reveal.
+function stepInfo(run, step, concealed) {
   const letter = (i) => run.requests[i].letter, chips = (list) => list.map((i) => chip(run, i, letter(i)));
   const admitted = step.admitted.map((i) => [i, "+" + letter(i)]);
   const handedOver = step.handed_over.map((i) => [i, ">" + letter(i)]);
   const finished = step.finished.map(([i, why, n]) => [i, `-${letter(i)}(${why},${n})`]);
-  const events = [[admitted, "2"], [handedOver, "4b"], [finished, "5, freed in 7"]].filter(([list]) => list.length)
+  if (concealed) return premise(run, step, admitted);
+  const events = [[admitted, "phase 2"], [handedOver, "phase 4b"], [finished, "phase 5, freed in phase 7"]]
+    .filter(([list]) => list.length)
     .map(([list, when]) => list.map(([i, text]) => chip(run, i, text)).join("") + phase(when)).join(" ");
   const idle = [...step.belt].filter((c) => c === ".").length;
   const padding = step.rows.filter((row) => row.kind === "padding").length;
@@ -361,13 +379,14 @@ function stepInfo(run, step) {
   const parts = [
     `<span class="mono" title="what the terminal printed for this step">${escapeHtml(line)}</span>`,
     `<span>events: ${events || "none"}</span>`,
-    `<span>queue: ${step.n_waiting} waiting ${chips(step.waiting).join("")}${phase("1-2")}</span>`,
+    `<span>queue: ${step.n_waiting} waiting ${chips(step.waiting).join("")}${phase("phases 1-2")}</span>`,
     `<span><b>${step.n_running}/${run.n_slots}</b> make a token` +
-      `${step.n_prefilling ? `, ${step.n_prefilling} prefilling` : ""}${phase("5")}</span>`,
+      `${step.n_prefilling ? `, ${step.n_prefilling} prefilling` : ""}${phase("phase 5")}</span>`,
     run.disaggregate
-      ? `<span>prompt tokens: none here, the worker prefills them (its chunk: ${budget})${phase("3")}</span>`
-      : `<span>prompt tokens <b>${step.n_prompt_tokens}</b> of ${budget} (prefill_chunk)${phase("3")}</span>`,
-    `<span>step ${(1e3 * step.step_s).toFixed(1)} ms, model ${(1e3 * step.model_s).toFixed(1)} ms${phase("4")}</span>`,
+      ? `<span>prompt tokens: none here, the worker prefills them (its chunk: ${budget})${phase("phase 3")}</span>`
+      : `<span>prompt tokens <b>${step.n_prompt_tokens}</b> of ${budget} (prefill_chunk)${phase("phase 3")}</span>`,
+    `<span>step ${(1e3 * step.step_s).toFixed(1)} ms, model ${(1e3 * step.model_s).toFixed(1)} ms` +
+      `${phase("phase 4")}</span>`,
     `<span>waste: <b>${idle}</b> slot${idle === 1 ? "" : "s"} idle, <b>${padding}</b> padding ` +
       `row${padding === 1 ? "" : "s"}, ${dummies} dumm${dummies === 1 ? "y query" : "y queries"}</span>`,
   ];
@@ -376,6 +395,29 @@ function stepInfo(run, step) {
     parts.push(`<span>the prefill worker holds: ${held}${phase("Part 2")}</span>`);
   }
   return parts.join("");
+}
+
+// The question's premise, all of it known before the step packs: the slots going in (the line the
+// terminal printed a step before), who phase 2 admitted now, and who still waits. Hidden: the belt
+// line of this step (who made a token), M and the rows' kinds, prompt tokens spent, the counts made
+// and prefilling, padding, dummy queries, the times, the handovers and retirements.
+function premise(run, step, admitted) {
+  const index = run.steps.indexOf(step), before = index > 0 ? run.steps[index - 1] : null;
+  const letter = (i) => run.requests[i].letter;
+  const retired = before === null ? [] : before.finished.map(([i]) => letter(i));
+  const going = before === null ? "the first step: every slot empty" : `after step ${before.step}: ` +
+    `<span class="mono">|${escapeHtml(before.belt)}|</span>` +
+    (retired.length ? `, ${retired.join(", ")} retired (their slots free now)` : "");
+  const budget = run.disaggregate ? "the worker prefills the prompts" : `prompt budget: ${run.prefill_chunk === null
+    ? "no limit" : run.prefill_chunk + " tokens"} (prefill_chunk)`;
+  return [
+    `<span>going in: ${going}</span>`,
+    `<span>admitted: ${admitted.map(([i, text]) => chip(run, i, text)).join("") || "none"}${phase("phase 2")}</span>`,
+    `<span>queue: ${step.n_waiting} waiting ${step.waiting.map((i) => chip(run, i, letter(i))).join("")}` +
+      `${phase("phases 1-2")}</span>`,
+    `<span>${budget}${phase("phase 3")}</span>`,
+    `<span class="command">predict: the rest of this step is hidden until revealed</span>`,
+  ].join("");
 }
 
 // The packed rows, side by side in the engine's order: the one-token rows [0, D), then each chunk.
@@ -468,7 +510,7 @@ function attention(run, step) {
 }
 
 // The one function that draws: step `index` of run `runIndex`, from the data alone; concealed: the
-// predict switch hides its packed rows and masks.
+// predict switch hides its packed rows, its masks, and every figure that follows from them.
 function render(runIndex, index, concealed) {
   const run = DATA.runs[runIndex], step = run.steps[index];
   $("#shown-step").textContent = step.step;
@@ -479,11 +521,13 @@ function render(runIndex, index, concealed) {
   for (const belt of document.querySelectorAll(".belt")) {
     const svg = belt.querySelector("svg");
     belt.style.display = belt.dataset.run === run.name ? "" : "none";
-    belt.querySelector(".mark").setAttribute("x", +svg.dataset.left + step.step * +svg.dataset.stepWidth);
+    for (const frame of belt.querySelectorAll(".mark")) {  // over the slots, and over the worker's lanes
+      frame.setAttribute("x", +svg.dataset.left + step.step * +svg.dataset.stepWidth);
+    }
   }
-  $("#step-info").innerHTML = stepInfo(run, step);
-  $("#packed-title").innerHTML = `the packed step: M = ${step.rows.length} rows, side by side, as one forward ` +
-    `takes them` + phase("phase 3: plan_step chooses, pack_step packs");
+  $("#step-info").innerHTML = stepInfo(run, step, concealed);
+  $("#packed-title").innerHTML = `the packed step: ${concealed ? "M = ? rows" : `M = ${step.rows.length} rows`}, ` +
+    `side by side, as one forward takes them` + phase("phase 3: plan_step chooses, pack_step packs");
   $("#reveal").disabled = !concealed;
   $("#packed").innerHTML = concealed ? `<div class="concealed">Predict: which rows does step ${step.step} feed ` +
     `the model, and what may each of them see? Press Enter (or reveal) to show.</div>` : packedRows(run, step);
@@ -491,24 +535,43 @@ function render(runIndex, index, concealed) {
 }
 
 // The controls: each changes only which step is shown, then draws it and puts it in the address.
-function go(runIndex, index) {
+// With predict on, a step reached going forward (not playing) is a question: concealed until revealed.
+function go(runIndex, index, conceal) {
   const steps = DATA.runs[runIndex].steps;
   index = Math.max(0, Math.min(steps.length - 1, index));
   const forward = runIndex === state.run && index > state.index;
-  Object.assign(state, {run: runIndex, index, concealed: $("#predict").checked && forward && state.player === null});
+  conceal = conceal ?? (forward && state.player === null);
+  Object.assign(state, {run: runIndex, index, concealed: $("#predict").checked && conceal});
   render(state.run, state.index, state.concealed);
-  const hash = `#run=${encodeURIComponent(DATA.runs[runIndex].name)}&step=${steps[index].step}`;
+  putInAddress();
+}
+
+function putInAddress() {  // #run=NAME&step=N, and &predict=1 while predict is on
+  const run = DATA.runs[state.run];
+  const hash = `#run=${encodeURIComponent(run.name)}&step=${run.steps[state.index].step}` +
+    ($("#predict").checked ? "&predict=1" : "");
   if (location.hash !== hash) {
     try { history.replaceState(null, "", hash); } catch (error) { location.hash = hash; }
   }
 }
 
-function fromHash() {  // #run=NAME&step=N -> [run, index]: the first step numbered N or later
+// #run=NAME&step=N&predict=1 -> [run, index, predict]. A run not here: the first, and a notice naming
+// the runs there are (a misspelt link must not pass for the right one). A step not a number: the first
+// step; else the first step numbered N or later, or the last.
+function fromHash() {
   const wanted = new URLSearchParams(location.hash.slice(1));
-  const runIndex = Math.max(0, DATA.runs.findIndex((run) => run.name === wanted.get("run")));
-  const steps = DATA.runs[runIndex].steps, number = Number(wanted.get("step") || 0);
+  let runIndex = DATA.runs.findIndex((run) => run.name === wanted.get("run"));
+  const notice = $("#notice");
+  notice.hidden = runIndex !== -1 || !wanted.has("run");
+  if (runIndex === -1) {
+    notice.textContent = `No run named "${wanted.get("run")}" here; the runs are: ` +
+      `${DATA.runs.map((run) => run.name).join(", ")}. Showing ${DATA.runs[0].name}.`;
+    runIndex = 0;
+  }
+  const steps = DATA.runs[runIndex].steps, text = (wanted.get("step") || "").trim();
+  const number = /^[0-9]+$/.test(text) ? Number(text) : -1;
   const index = steps.findIndex((step) => step.step >= number);
-  return [runIndex, index === -1 ? steps.length - 1 : index];
+  return [runIndex, index === -1 ? steps.length - 1 : index, wanted.get("predict") === "1"];
 }
 
 function showRun(runIndex) { go(runIndex, Math.min(state.index, DATA.runs[runIndex].steps.length - 1)); }
@@ -525,9 +588,16 @@ function play() {
   }
   $("#play").textContent = state.player === null ? "play" : "pause";
 }
+// Predict on: the step shown becomes the question too (the class guesses it now), concealed until
+// revealed; off: everything shows.
+function predictChanged() {
+  state.concealed = $("#predict").checked;
+  render(state.run, state.index, state.concealed);
+  putInAddress();
+}
 function togglePredict() {
   $("#predict").checked = !$("#predict").checked;
-  if (!$("#predict").checked) reveal();
+  predictChanged();
 }
 
 $("#command").textContent = DATA.command;
@@ -537,11 +607,11 @@ $("#prev").addEventListener("click", () => go(state.run, state.index - 1));
 $("#next").addEventListener("click", () => go(state.run, state.index + 1));
 $("#play").addEventListener("click", play);
 $("#reveal").addEventListener("click", reveal);
-$("#predict").addEventListener("change", () => { if (!$("#predict").checked) reveal(); });
+$("#predict").addEventListener("change", predictChanged);
 $("#slider").addEventListener("input", () => go(state.run, +$("#slider").value));
 for (const svg of document.querySelectorAll(".belt svg")) {  // a click on the belt: that step
   svg.addEventListener("click", (event) => {
-    const box = svg.getBoundingClientRect(), x = (event.clientX - box.left) * svg.width.baseVal.value / box.width;
+    const box = svg.getBoundingClientRect(), x = (event.clientX - box.left) * svg.viewBox.baseVal.width / box.width;
     const number = Math.floor((x - svg.dataset.left) / svg.dataset.stepWidth);
     const index = DATA.runs[state.run].steps.findIndex((step) => step.step >= number);
     if (index !== -1) go(state.run, index);
@@ -558,12 +628,16 @@ window.addEventListener("keydown", (event) => {  // first, before a focused butt
   KEYS[event.key](event.shiftKey ? 10 : 1);
 }, true);
 window.addEventListener("keyup", (event) => { if (event.key === " ") event.preventDefault(); }, true);  // no click
-window.addEventListener("hashchange", () => {
-  const [runIndex, index] = fromHash();
-  if (runIndex !== state.run || index !== state.index) go(runIndex, index);
+window.addEventListener("hashchange", () => {  // a link typed or pasted into the address bar
+  const [runIndex, index, predict] = fromHash();
+  if (runIndex !== state.run || index !== state.index || predict !== $("#predict").checked) {
+    $("#predict").checked = predict;
+    go(runIndex, index, predict);
+  }
 });
-[state.run, state.index] = fromHash();
-go(state.run, state.index);
+const [firstRun, firstIndex, predictFirst] = fromHash();
+$("#predict").checked = predictFirst;
+go(firstRun, firstIndex, predictFirst);  // opened with predict on: the step it opens on is the question
 </script>
 </body>
 </html>
