@@ -1,19 +1,22 @@
 """
-GPT-2 from scratch, with a KV cache preallocated for a fixed number of slots.
+GPT-2 from scratch, with a KV cache preallocated once: a block of max_len positions per slot, or, paged,
+a pool of small blocks.
 
 Shape legend, used in every comment below and in nanobatch.py:
     B  sequences in a batch             T  tokens per sequence (or in one prompt chunk)
-    M  tokens packed into one step      D  of them one-token rows (decode), one per slot
-    S  cache slots                      L  cache positions attended over
+    M  tokens packed into one step: its rows, one token each
+    D  of them one-token rows: a request that feeds one token (a decode, or a one-token prompt),
+       at most one a slot
+    S  slots: the requests a step holds L  cache positions attended over
     C  embedding size (n_embd)          nh heads, hs head size (C = nh * hs)
     V  vocabulary size                  R  rows whose logits are wanted
 
 `GPT.forward(idx)` is the textbook causal forward with no cache: the reference for everything else.
 `GPT.forward_packed(step, cache)` runs one step of the engine: M new tokens from any mix of slots,
 packed side by side, no padding between them. It writes their keys and values into the cache at (slot,
-position) and attends under masks that nanobatch.py builds: the caller owns the slots. Below the
-transformer: the attention cut, an optimisation nanobatch.py's pack_step applies; then the loading of
-real GPT-2 checkpoints.
+position), through a block table when the cache is paged, and attends under masks that nanobatch.py
+builds: the caller owns the slots. Below the transformer: the attention cut, an optimisation
+nanobatch.py's pack_step applies; then the loading of real GPT-2 checkpoints.
 """
 import json
 import math
@@ -47,7 +50,8 @@ class PackedStep:
     between them (the only filler rows are those a static batch asks for on purpose). Rows [0, D)
     hold one token each, every one in a slot of its own, and attend together over every slot. The
     other rows come in chunks, each attending over its own slot: consecutive tokens of one prompt
-    (or, past the step's attention_cut, one token of a long slot).
+    (or, past the step's attention_cut, one token of a long slot). Positions are a slot's own, 0 up;
+    where a position's keys live in the cache is block_tables' business (None: slot s is block s).
     """
     tokens: torch.Tensor  # (M,) token ids
     positions: torch.Tensor  # (M,) each token's position in its slot
@@ -56,6 +60,8 @@ class PackedStep:
     one_token_mask: torch.Tensor  # (S, 1, L) bool: slot s's one-token query may see position l; L, the cut
     chunks: list  # (rows, slot, mask): a slice of rows, their slot, (T, L) bool mask over that slot
     logit_rows: torch.Tensor  # (R,) rows whose next-token logits are wanted
+    block_tables: torch.Tensor | None = None  # (S, n_table): paged, slot s's position p lives in block
+    #                                           block_tables[s, p // block_size] (nanobatch Part 3); None: per slot
 
 
 class CausalSelfAttention(nn.Module):
@@ -83,41 +89,64 @@ class CausalSelfAttention(nn.Module):
         M, C = x.size()
         q, k, v = (t.view(M, self.n_head, C // self.n_head) for t in self.c_attn(x).split(C, dim=1))
         # q, k, v: each (M, nh, hs)
-        k_cache, v_cache = kv_cache  # each (S, max_len, nh, hs)
+        k_cache, v_cache = kv_cache  # each (n_blocks, block_size, nh, hs); per slot, (S, max_len, nh, hs)
         # Store the new keys and values first, so that a token can attend to itself: one write of
-        # M cells, each at its own (slot, position).
-        k_cache[step.slots, step.positions] = k
-        v_cache[step.slots, step.positions] = v
+        # M cells, each at its own (slot, position), or, paged, at the block and offset that its
+        # slot's block table gives the position.
+        if step.block_tables is None:
+            blocks, offsets = step.slots, step.positions
+        else:
+            block_size = k_cache.size(1)
+            blocks, offsets = step.block_tables[step.slots, step.positions // block_size], step.positions % block_size
+        k_cache[blocks, offsets] = k
+        v_cache[blocks, offsets] = v
         y = torch.empty_like(q)  # (M, nh, hs)
-        # One-token rows, in one call over the whole belt: row s is slot s's query, and the cache is
-        # read as a view of its first L positions, L the step's cut. A slot with no row here gets
-        # a dummy query whose output is dropped. Gathering just the D slots' keys instead copies
-        # them and measured slower than this whole attention (GPT-2 124M, 8 slots, CPU).
+        # One-token rows, in one call over the whole belt: the call's query s is slot s's (so its
+        # queries are in slot order, not row order), over the slot's first L positions, L the step's
+        # cut; per slot a view of the cache. A slot with no row here gets a dummy query whose output is
+        # dropped. Gathering just the D slots' keys instead copies them and measured slower than this
+        # whole attention (GPT-2 124M, 8 slots, CPU).
         D = step.n_one_token
         if D:
             S, L = step.one_token_mask.size(0), step.one_token_mask.size(-1)
             one_token_slots = step.slots[:D]  # (D,)
             queries = q.new_zeros(S, self.n_head, 1, C // self.n_head)  # (S, nh, 1, hs)
             queries[one_token_slots] = q[:D, :, None]
+            keys = slot_positions(k_cache, step.block_tables, slice(None), L)  # (S, L, nh, hs)
+            values = slot_positions(v_cache, step.block_tables, slice(None), L)
             out = F.scaled_dot_product_attention(
-                queries, k_cache[:, :L].transpose(1, 2), v_cache[:, :L].transpose(1, 2),  # (S, nh, L, hs)
+                queries, keys.transpose(1, 2), values.transpose(1, 2),  # (S, nh, L, hs)
                 attn_mask=step.one_token_mask[:, None],  # (S, 1, 1, L): the same mask for every head
             )  # (S, nh, 1, hs)
             y[:D] = out[one_token_slots, :, 0]
-        # Chunks, one call each: T queries over the first L positions of their own slot, read as a
-        # view: a prompt chunk, or the one token of a slot past the cut. No call pads to another's length.
+        # Chunks, one call each: T queries over the first L positions of their own slot (per slot, a
+        # view): a prompt chunk, or the one token of a slot past the cut. No call pads to another's length.
         for rows, slot, mask in step.chunks:
             L = mask.size(-1)
+            keys = slot_positions(k_cache, step.block_tables, slice(slot, slot + 1), L)  # (1, L, nh, hs)
+            values = slot_positions(v_cache, step.block_tables, slice(slot, slot + 1), L)
             # 4-D, a batch of one: the CPU's fused kernel takes 4-D inputs only; 3-D ones fall back to
             # plain matrix products, 1.6-3.8x slower for 64 tokens over 48-940 positions (12 heads of 64, 2 threads).
             out = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1)[None],  # (1, nh, T, hs)
-                k_cache[slot:slot + 1, :L].transpose(1, 2),  # (1, nh, L, hs)
-                v_cache[slot:slot + 1, :L].transpose(1, 2),  # (1, nh, L, hs)
+                keys.transpose(1, 2), values.transpose(1, 2),  # (1, nh, L, hs)
                 attn_mask=mask[None, None],  # (1, 1, T, L)
             )  # (1, nh, T, hs)
             y[rows] = out[0].transpose(0, 1)
         return y.view(M, C)
+
+
+def slot_positions(cache, block_tables, slots, L):
+    """The first L positions of some slots, in position order: (n, L, nh, hs) from one layer's keys
+    (or values), cache (n_blocks, block_size, nh, hs). Per slot (block_tables None), block s is slot
+    s: a view, no copy. Paged (nanobatch Part 3), each slot's blocks are gathered in its block table's
+    order into a copy, since torch's attention wants a sequence's keys side by side; a paged kernel
+    (vLLM's) reads them where they lie. The copy costs what a per-slot read does not: measured in
+    docs/benchmarks.md."""
+    if block_tables is None:
+        return cache[slots, :L]
+    n_blocks = -(-L // cache.size(1))  # the blocks that hold positions 0..L-1
+    return cache[block_tables[slots, :n_blocks]].flatten(1, 2)[:, :L]  # (n, n_blocks, block_size, ...) -> (n, L, ...)
 
 
 class MLP(nn.Module):
@@ -144,22 +173,26 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Keys and values for S slots of max_len positions, every layer, in one tensor made once."""
+    """Keys and values for every layer, in one tensor made once: n_blocks blocks of block_size positions.
+    Per slot, a block is a slot: S blocks of max_len positions, slot s's sequence in block s. Paged
+    (nanobatch Part 3), many small blocks, and a sequence's positions fill the blocks of its block table."""
 
-    def __init__(self, config, n_slots, max_len, device, dtype):
+    def __init__(self, config, n_blocks, block_size, device, dtype):
         head_size = config.n_embd // config.n_head
-        shape = (config.n_layer, 2, n_slots, max_len, config.n_head, head_size)  # (n_layer, k|v, S, max_len, nh, hs)
+        shape = (config.n_layer, 2, n_blocks, block_size, config.n_head, head_size)  # (n_layer, k|v, blocks, positions, nh, hs)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)  # zeros: see clear() for why
 
     def layer(self, i):
-        return self.kv[i, 0], self.kv[i, 1]  # views, each (S, max_len, nh, hs)
+        return self.kv[i, 0], self.kv[i, 1]  # views, each (n_blocks, block_size, nh, hs)
 
-    def clear(self, slot, n_positions):
-        """Zero the first n_positions of one slot: what its occupant wrote, as it leaves. The mask
-        hides a previous occupant's keys, but only by giving them weight 0, and 0 * NaN is NaN: one
-        that overflowed would poison the next. Zeroing only what was written, not the slot's whole
-        max_len, keeps the cost proportional to the work done."""
-        self.kv[:, :, slot, :n_positions].zero_()
+    def clear(self, blocks, n_positions):
+        """Zero the first n_positions of a sequence held in these blocks, in order: what its request
+        wrote, as it leaves (per slot, blocks is [its slot]). The mask hides a previous occupant's keys,
+        but only by giving them weight 0, and 0 * NaN is NaN: one that overflowed would poison the
+        next. Zeroing only what was written, not the slot's whole max_len, keeps the cost
+        proportional to the work done."""
+        for first_position, block in zip(range(0, n_positions, self.kv.size(3)), blocks):
+            self.kv[:, :, block, :n_positions - first_position].zero_()
 
     def send(self, slot, n_positions, to, to_slot):
         """Copy the first n_positions of one slot, every layer's keys and values, into a slot of
@@ -167,6 +200,10 @@ class KVCache:
         handover of disaggregated prefill, which a real deployment sends over NVLink or RDMA."""
         to.kv[:, :, to_slot, :n_positions].copy_(self.kv[:, :, slot, :n_positions])
         return self.kv[:, :, slot, :n_positions].numel() * self.kv.element_size()
+
+    @property
+    def n_positions(self):  # what the cache can hold, all blocks together
+        return self.kv.size(2) * self.kv.size(3)
 
     @property
     def nbytes(self):
@@ -185,15 +222,17 @@ def available_memory(device):
         return None
 
 
-def check_cache_fits(config, n_slots, max_len, device, dtype):
+def check_cache_fits(config, n_slots, max_len, device, dtype, unit="slots"):
     """A ValueError, before any allocation, if a KVCache would not fit in the memory free now: it
-    is the engine's one large tensor, and its size is known (as vLLM sizes its own)."""
+    is the engine's one large tensor, and its size is known (as vLLM sizes its own). Paged, unit is
+    "blocks": n_slots blocks of max_len (kv_block_size) positions."""
     per_slot = config.n_layer * 2 * max_len * config.n_embd * dtype.itemsize  # keys and values, every layer
     free = available_memory(device)
     if free is not None and n_slots * per_slot > free:
-        raise ValueError(f"a KV cache of {n_slots} slots x {max_len} positions takes "
+        size = "max_len" if unit == "slots" else "kv_block_size"
+        raise ValueError(f"a KV cache of {n_slots} {unit} x {max_len} positions takes "
                          f"{n_slots * per_slot / 1e9:.3g} GB, but {device} has {free / 1e9:.3g} GB free: at most "
-                         f"{free // per_slot} slots fit at max_len={max_len}")
+                         f"{free // per_slot} {unit} fit at {size}={max_len}")
 
 
 class GPT(nn.Module):
@@ -215,9 +254,9 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def new_cache(self, n_slots, max_len):  # on this model's device, in its dtype
+    def new_cache(self, n_blocks, block_size):  # on this model's device, in its dtype; per slot: (S, max_len)
         p = self.lm_head.weight
-        return KVCache(self.config, n_slots, max_len, p.device, p.dtype)
+        return KVCache(self.config, n_blocks, block_size, p.device, p.dtype)
 
     def forward(self, idx):
         """The reference: idx (B, T) token ids -> logits (B, T, V), causal, no cache."""
@@ -280,16 +319,17 @@ def attention_cut(lengths, n_slots, device):
     return best[1]
 
 
-def split_at_cut(rows, n_slots, device):
-    """A step's rows, each (run, slot, first position, token ids) as nanobatch.pack_step lays them out
-    -> (one_token, chunks, cut): the one-token rows no longer than the cut, which attend together over
+def split_at_cut(feeds, n_slots, device):
+    """A step's feeds, each (run, slot, first position, token ids) as nanobatch.pack_step lays them out
+    -> (one_token, chunks, cut): the one-token feeds no longer than the cut, which attend together over
     every slot's first `cut` positions, and the rest, which attend alone over their own slot: a prompt's
-    chunk, or the one token of a slot past the cut. Where the cut is the longest one-token row (no row
-    much longer than the others), every one-token row attends together, and the chunks are the prompts'."""
-    cut = attention_cut([position + 1 for _, _, position, ids in rows if len(ids) == 1], n_slots, device)
-    attends_together = [len(ids) == 1 and position < cut for _, _, position, ids in rows]
-    one_token = [row for row, together in zip(rows, attends_together) if together]
-    chunks = [row for row, together in zip(rows, attends_together) if not together]
+    chunk, or the one token of a slot past the cut. Where the cut is the longest one-token feed's
+    length (its position + 1: no feed much longer than the others), every one-token feed attends
+    together, and the chunks are the prompts'."""
+    cut = attention_cut([position + 1 for _, _, position, ids in feeds if len(ids) == 1], n_slots, device)
+    attends_together = [len(ids) == 1 and position < cut for _, _, position, ids in feeds]
+    one_token = [feed for feed, together in zip(feeds, attends_together) if together]
+    chunks = [feed for feed, together in zip(feeds, attends_together) if not together]
     return one_token, chunks, cut
 
 

@@ -13,7 +13,9 @@ KV cache. Every step of `generate`:
     7) finished requests retire, their slots free for the very next step.
 Static batching is the same loop with one decision changed (`slots_to_fill`).
 Part 2, disaggregated prefill: a PrefillWorker thread prefills the prompts on hardware of its own,
-and the loop only decodes. Below them, under banners: the input checks, the figures, the command line.
+and the loop only decodes. Part 3, paged attention: the cache as a pool of small blocks that requests
+take as their tokens go in, and give back when they leave or are preempted. Below them, under
+banners: the input checks, the figures, the command line.
 Shapes in comments use model.py's legend: S slots, M tokens packed into a step, D of them one-token
 rows, T tokens of one prompt chunk, L cache positions attended over, R rows sampled, V vocabulary.
 """
@@ -63,7 +65,7 @@ class Completion:
     ttft_s: float  # seconds from the start of its arrival step to its first token
     latency_s: float  # seconds from the start of its arrival step to its last token
     first_token_step: int  # admit_step, unless its prompt took several steps (chunks) or the worker had it
-    slot: int  # the slot it occupied
+    slot: int  # the slot it occupied (Part 3: preempted and taken in again, the last)
     token_times_s: list[float]  # seconds from the start of its arrival step to each of its tokens
 
 
@@ -88,9 +90,16 @@ class StepReport:
     sampled: list[int]  # request indices that made a token, in the order of logits' rows
     logits: torch.Tensor  # (R, V): the logits those tokens were sampled from
     packed: PackedStep | None  # what the step's forward ran on, as model.forward_packed took it; None: no forward
+    occupants: list[int | None] = field(default_factory=list)  # each slot's request index in the step (None: empty)
+    waiting: list[int] = field(default_factory=list)  # the queue after admission, first in line first
+    kv_used: int = 0  # cache positions holding a token after the step's forward, all requests together
+    kv_total: int = 0  # the cache's positions: n_slots x max_len, or (Part 3) the pool's
     handed_over: list[int] = field(default_factory=list)  # Part 2: prompts the worker handed over this step
+    at_worker: list[int] = field(default_factory=list)  # Part 2: prompts the worker holds after the step
     kv_bytes: int = 0  # bytes of keys and values the worker copied into their slots
     kv_s: float = 0.0  # seconds those copies took, on the worker's side
+    preempted: list[int] = field(default_factory=list)  # Part 3: requests sent back to the queue this step
+    block_tables: list[list[int]] = field(default_factory=list)  # each slot's blocks after the step (per slot: [slot])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,14 +165,15 @@ class Running:
     slot: int
     sampler: torch.Generator
     admit_step: int
+    block_table: list[int] = field(default_factory=list)  # its cache blocks, in order: per slot [slot]; Part 3
     n_cached: int = 0  # tokens of prompt + answer in the slot's cache; decoding, all but the newest
     tokens: list[int] = field(default_factory=list)  # generated so far
     token_times_s: list[float] = field(default_factory=list)  # seconds from arrival to each token
     first_token_step: int | None = None
 
     @property
-    def is_prefilling(self):  # its prompt is not all in the cache yet, so it has no token yet
-        return self.n_cached < len(self.request.prompt)
+    def is_prefilling(self):  # more to feed than its newest token: its prompt (Part 3: or, preempted, all again)
+        return self.n_cached < len(self.request.prompt) + max(0, len(self.tokens) - 1)
 
 
 def slots_to_fill(belt, policy):
@@ -181,10 +191,11 @@ def plan_step(belt, prefill_chunk):
     work = [(run, [run.tokens[-1]]) for run in runs if not run.is_prefilling]
     budget = math.inf if prefill_chunk is None else prefill_chunk
     for run in sorted((run for run in runs if run.is_prefilling), key=lambda run: run.request.arrival):
-        n = min(budget, len(run.request.prompt) - run.n_cached)
+        to_feed = run.request.prompt + run.tokens  # its prompt; Part 3: a preempted run's answer too
+        n = min(budget, len(to_feed) - run.n_cached)
         if n == 0:
             break
-        work.append((run, run.request.prompt[run.n_cached:run.n_cached + n]))
+        work.append((run, to_feed[run.n_cached:run.n_cached + n]))
         budget -= n
     return work
 
@@ -213,16 +224,20 @@ def attention_mask(positions, L):
     return key_positions[None, None, :] <= positions[:, :, None]  # (B, T, L)
 
 
-def pack_step(work, padding_slots, n_slots, device):
+def pack_step(work, padding_slots, n_slots, device, block_tables=None):
     """work, [(run, the token ids it feeds)], as one model.PackedStep -> (that PackedStep, the runs
-    due a token, in its logits' order). padding_slots feed token 0 at position 0 for no one (static batching's
-    finished rows; finite keys, seen by no other row). One-token rows, at most one a slot, attend
-    together in one call over every slot; chunks (a prompt's tokens) each in a call of their own."""
-    rows = [(run, run.slot, run.n_cached, ids) for run, ids in work]  # (run, slot, first position, ids)
-    rows += [(None, slot, 0, [0]) for slot in padding_slots]
-    # One-token rows attend together over every slot's first `cut` positions; chunks each alone over
-    # their own slot. On a first read take the cut as the longest one-token row (model.split_at_cut).
-    one_token, chunks, cut = split_at_cut(rows, n_slots, device)
+    due a token, in its logits' order). Each run's feed is (run, slot, first position, ids); the
+    PackedStep's rows are its tokens, one a row: one-token feeds first (at most one a slot, in the
+    order plan_step lists them: by request index), then each chunk's tokens. padding_slots feed token
+    0 at position 0 for no one (static batching's finished rows; finite keys, seen by no other row).
+    One-token rows attend together in one call over every slot; chunks (a prompt's tokens) each in a
+    call of their own. block_tables: paged (Part 3), each slot's blocks; None: slot s is block s."""
+    feeds = [(run, run.slot, run.n_cached, ids) for run, ids in work]  # (run, slot, first position, ids)
+    feeds += [(None, slot, 0, [0]) for slot in padding_slots]
+    # One-token feeds attend together over every slot's first `cut` positions; chunks each alone over
+    # their own slot. On a first read take the cut as the longest one-token feed's length, its
+    # position + 1 (model.split_at_cut).
+    one_token, chunks, cut = split_at_cut(feeds, n_slots, device)
     tokens, positions, slots, logit_rows, padding_rows, to_sample = [], [], [], [], [], []
     for run, slot, first_position, ids in one_token + chunks:
         tokens += ids
@@ -239,12 +254,17 @@ def pack_step(work, padding_slots, n_slots, device):
     #                                  dummy query then sees one key (a row that sees none gives NaN)
     for _, slot, position, _ in one_token:
         query_positions[slot] = position
+    # Part 3: the block tables as one (S, width) grid, each padded with block 0, which the mask hides.
+    width = max([1] + [len(table) for table in block_tables or []])
+    tables = [block for table in block_tables or [] for block in table + [0] * (width - len(table))]
     # Every index of the step in one host-to-device copy. From ordinary memory the copy waits for
     # the device, which has nearly nothing queued: the previous step ended by reading its tokens back.
     logit_rows += padding_rows  # the sampled runs' rows first: the loop drops padding's logits
     M, R = len(tokens), len(logit_rows)
-    index = torch.tensor(tokens + positions + slots + query_positions + logit_rows, dtype=torch.long, device=device)
-    tokens_t, positions_t, slots_t, query_positions_t, logit_rows_t = index.split([M, M, M, n_slots, R])
+    index = torch.tensor(tokens + positions + slots + query_positions + logit_rows + tables, dtype=torch.long,
+                         device=device)
+    tokens_t, positions_t, slots_t, query_positions_t, logit_rows_t, tables_t = index.split(
+        [M, M, M, n_slots, R, len(tables)])
     one_token_mask = attention_mask(query_positions_t[:, None], cut)  # (S, 1, L), L the cut
     chunk_masks, first_row = [], len(one_token)
     for _, slot, first_position, ids in chunks:
@@ -252,7 +272,8 @@ def pack_step(work, padding_slots, n_slots, device):
         mask = attention_mask(positions_t[chunk_rows][None], first_position + len(ids))[0]  # (T, L): to its last
         chunk_masks.append((chunk_rows, slot, mask))
         first_row += len(ids)
-    packed = PackedStep(tokens_t, positions_t, slots_t, len(one_token), one_token_mask, chunk_masks, logit_rows_t)
+    packed = PackedStep(tokens_t, positions_t, slots_t, len(one_token), one_token_mask, chunk_masks, logit_rows_t,
+                        None if block_tables is None else tables_t.view(n_slots, width))
     return packed, to_sample
 
 
@@ -261,17 +282,22 @@ def pack_step(work, padding_slots, n_slots, device):
 
 
 def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="continuous",
-             prefill_chunk=None, on_step=None, disaggregate=False):
+             prefill_chunk=None, on_step=None, disaggregate=False, kv_blocks=None, kv_block_size=16):
     """Serve every request through a belt of n_slots -> their Completions, in request order.
 
     max_len: positions per slot (default: block_size). eos_id=None: never stop on EOS. prefill_chunk:
     at most this many prompt tokens enter a step (None: whole prompts). on_step: called with a
     StepReport after every step. disaggregate: a PrefillWorker (Part 2) prefills every prompt, the
-    loop only decodes; prefill_chunk is then the most prompt tokens in one forward of the worker."""
+    loop only decodes; prefill_chunk is then the most prompt tokens in one forward of the worker.
+    kv_blocks: a paged cache (Part 3) of kv_blocks blocks of kv_block_size positions, which all the
+    slots share; None: each slot reserves max_len positions of its own."""
     max_len = model.config.block_size if max_len is None else max_len
-    requests = check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk, disaggregate)
+    requests = check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk, disaggregate,
+                               kv_blocks, kv_block_size)
     device = model.lm_head.weight.device
-    cache = model.new_cache(n_slots, max_len)  # the only large allocation, reused by every request
+    pool = BlockPool(kv_blocks, kv_block_size) if kv_blocks else None  # Part 3
+    # The only large allocation, reused by every request: a block of max_len positions for each slot, or the pool's.
+    cache = model.new_cache(kv_blocks, kv_block_size) if pool else model.new_cache(n_slots, max_len)
     pending = deque(sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i)))
     waiting = deque()  # arrived, not yet admitted: first come, first served
     belt = [None] * n_slots  # belt[slot]: the Running request in that slot, or None
@@ -288,19 +314,27 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
             while pending and requests[pending[0]].arrival <= step:
                 arrived_at[pending[0]] = step_start
                 waiting.append(pending.popleft())
-            # 2) Admit waiting requests into free slots (Part 2: the prompt goes to the worker, the slot reserved).
+            # 2) Admit waiting requests into free slots (Part 2: the prompt goes to the worker, the slot
+            #    reserved; Part 3: only while the pool has the blocks for what it feeds first).
             admitted = []
             for slot in slots_to_fill(belt, policy)[:len(waiting)]:
-                i = waiting.popleft()
-                belt[slot] = Running(i, requests[i], slot, new_sampler(requests[i], device), admit_step=step)
-                admitted.append(i)
+                i = waiting[0]
+                run = pool.preempted.get(i) if pool else None  # Part 3: one preempted comes back as it left
+                run = run or Running(i, requests[i], slot, new_sampler(requests[i], device), step, [] if pool else [slot])
+                if pool and not pool.admit(run, slot, belt, prefill_chunk):
+                    break
+                run.slot, belt[slot] = slot, run  # per slot, its block table is [its slot]
+                admitted.append(waiting.popleft())
                 if worker:
-                    worker.inbox.put(belt[slot])
+                    worker.inbox.put(run)
             # 3) Choose the step's tokens (with a worker, no prompt token) and pack them. Static
             #    batching, as a padded batch does, still computes a row for each finished request.
-            work = plan_step(belt, 0 if worker else prefill_chunk)
+            work, preempted = plan_step(belt, 0 if worker else prefill_chunk), []
+            if pool:  # Part 3: the blocks for what the step feeds; if too few, the last admitted gives way
+                work, preempted = pool.make_room(work, belt, waiting, cache, prefill_chunk)
             padding_slots = [s for s, run in enumerate(belt) if run is None] if policy == "static" else []
-            packed, to_sample = pack_step(work, padding_slots, n_slots, device)
+            block_tables = [run.block_table if run else [] for run in belt] if pool else None
+            packed, to_sample = pack_step(work, padding_slots, n_slots, device, block_tables)
             n_prompt_tokens = sum(len(ids) for run, ids in work if run.is_prefilling)  # before n_cached moves on
             for run, ids in work:
                 run.n_cached += len(ids)  # the forward below writes them
@@ -344,12 +378,18 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
                     finished=[(run.request_index, completions[run.request_index]) for run in finished],
                     model_s=model_s, step_s=time.perf_counter() - step_start,
                     sampled=[run.request_index for run in to_sample], logits=logits, packed=packed if work else None,
+                    occupants=[None if run is None else run.request_index for run in belt], waiting=list(waiting),
+                    kv_used=sum(run.n_cached for run in belt if run), kv_total=cache.n_positions,
                     handed_over=[handover.run.request_index for handover in handovers],
+                    at_worker=[run.request_index for run in belt if worker and run and run.is_prefilling],
                     kv_bytes=sum(handover.kv_bytes for handover in handovers),
-                    kv_s=sum(handover.kv_s for handover in handovers)))
+                    kv_s=sum(handover.kv_s for handover in handovers), preempted=preempted,
+                    block_tables=[list(run.block_table) if run else [] for run in belt]))
             # 7) Retire finished requests: wipe what each wrote (see KVCache.clear); the slot is free.
             for run in finished:
-                cache.clear(run.slot, run.n_cached)
+                cache.clear(run.block_table, run.n_cached)
+                if pool:  # Part 3: and its blocks go back to the pool
+                    pool.free(run)
                 belt[run.slot] = None
             n_done += len(finished)
             step += 1
@@ -479,6 +519,82 @@ class PrefillWorker:
 
 
 # ---------------------------------------------------------------------------------------------
+# Part 3, paged attention: the cache as a pool of blocks
+#
+# Per slot, every slot reserves max_len positions for the longest answer it might give, and most of
+# them never hold a token. Paged (vLLM's PagedAttention), the cache is a pool of small blocks of
+# kv_block_size positions. A request's block table lists the blocks that hold its positions, in order:
+# position p lives at offset p % kv_block_size of block block_table[p // kv_block_size]. It takes a
+# block when its tokens reach one, and gives its blocks back when it leaves. n_slots then only says how
+# many requests step together; the pool says how many positions they hold between them.
+#
+# The mask does not change: it speaks of positions, and the block table only says where a position's
+# keys live (model.attend_packed writes through it, model.slot_positions reads through it).
+#
+# When a step needs a block and none is free, the request admitted last gives its blocks back and
+# returns to the head of the queue, keeping its tokens (preemption by recompute, vLLM's default).
+# Taken in again, it feeds its prompt and its answer so far again, under the same prompt budget, and
+# samples its next token where it left off: its generator carries on, so its answer is unchanged.
+
+
+class BlockPool:
+    """Which blocks of the cache are free, and which requests hold the others (nano-vllm's BlockManager)."""
+
+    def __init__(self, n_blocks, block_size):
+        self.block_size = block_size
+        self.free_blocks = deque(range(n_blocks))  # any free block will do: none is nearer than another
+        self.holders = []  # the requests admitted, in order of admission: the last gives way first
+        self.preempted = {}  # request index -> its Running, tokens and generator kept, while it waits again
+
+    def n_blocks_needed(self, run, n_positions):
+        """Blocks run must take so that its block table holds its first n_positions."""
+        return max(0, math.ceil(n_positions / self.block_size) - len(run.block_table))
+
+    def n_blocks_due(self, work):
+        """Blocks the step's feeds must take: each run's cached positions and what it feeds now."""
+        return sum(self.n_blocks_needed(run, run.n_cached + len(ids)) for run, ids in work)
+
+    def admit(self, run, slot, belt, prefill_chunk):
+        """Whether run may take the free slot: the free blocks hold all that the step would feed with
+        it on the belt, its own first feed included. Taken, it joins the holders (and leaves the
+        preempted, if it was one); else the step plans without it, and it stays first in line."""
+        belt[slot] = run
+        fits = self.n_blocks_due(plan_step(belt, prefill_chunk)) <= len(self.free_blocks)
+        belt[slot] = None
+        if fits:
+            self.holders.append(run)
+            self.preempted.pop(run.request_index, None)
+        return fits
+
+    def make_room(self, work, belt, waiting, cache, prefill_chunk):
+        """Take the blocks that the step's work needs -> (the work, the request indices preempted).
+        While too few are free, the request admitted last is preempted: its blocks are wiped and go
+        back, it returns to the head of the queue with its tokens, and the step is planned again
+        without it. The first admitted is never preempted: the input checks saw to it that the pool
+        holds any one request's whole sequence."""
+        preempted = []
+        while self.n_blocks_due(work) > len(self.free_blocks):
+            victim = self.holders[-1]
+            cache.clear(victim.block_table, victim.n_cached)
+            self.free(victim)
+            belt[victim.slot] = None
+            waiting.appendleft(victim.request_index)
+            self.preempted[victim.request_index] = victim
+            preempted.append(victim.request_index)
+            work = plan_step(belt, prefill_chunk)
+        for run, ids in work:
+            for _ in range(self.n_blocks_needed(run, run.n_cached + len(ids))):
+                run.block_table.append(self.free_blocks.popleft())
+        return work, preempted
+
+    def free(self, run):
+        """run's blocks back to the pool (wiped first: KVCache.clear); it holds no position now."""
+        self.free_blocks.extend(run.block_table)
+        self.holders.remove(run)
+        run.block_table, run.n_cached = [], 0
+
+
+# ---------------------------------------------------------------------------------------------
 # Checking the input before any work, so that nothing fails halfway: the forms people really pass
 # are turned into plain Python types; everything else is a ValueError that names the field.
 
@@ -538,7 +654,8 @@ def token_ids(prompt, name, vocab_size):
 SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes (a negative seed wraps around)
 
 
-def check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk=None, disaggregate=False):
+def check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk=None, disaggregate=False,
+                    kv_blocks=None, kv_block_size=16):
     """Reject, before any work, everything that could not be served -> the requests as new, checked
     copies in plain Python types (the caller's are left as they were)."""
     V, block_size, device = model.config.vocab_size, model.config.block_size, model.lm_head.weight.device
@@ -559,6 +676,13 @@ def check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_c
     if disaggregate and policy == "static":
         raise ValueError("disaggregate=True needs policy='continuous': a static batch prefills its prompts "
                          "together as it starts, with no stream of prompts for a prefill worker to take")
+    checked_int(kv_blocks, "kv_blocks", 1, may_be_none=True)
+    checked_int(kv_block_size, "kv_block_size", 1)
+    if kv_blocks is None and kv_block_size != 16:
+        raise ValueError(f"kv_block_size={kv_block_size} applies to a paged cache only: pass kv_blocks too")
+    if kv_blocks is not None and (policy == "static" or disaggregate):
+        raise ValueError("kv_blocks needs policy='continuous' and disaggregate=False: a static batch's idle slots "
+                         "feed padding into positions of their own, and the prefill worker fills a slot's max_len")
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
         raise ValueError(f"requests must be an iterable of Request, got {type(requests).__name__}")
     checked = []
@@ -576,7 +700,13 @@ def check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_c
             top_k=checked_int(r.top_k, f"requests[{i}].top_k", 1, may_be_none=True),
             seed=checked_int(r.seed, f"requests[{i}].seed", *SEED_RANGE, may_be_none=True),
             arrival=checked_int(r.arrival, f"requests[{i}].arrival", 0)))
-    check_cache_fits(model.config, n_slots, max_len, device, model.lm_head.weight.dtype)  # model.py
+        n_blocks = math.ceil(min(len(prompt) + checked[-1].max_new_tokens, max_len) / kv_block_size)
+        if kv_blocks is not None and n_blocks > kv_blocks:  # alone, and still out of blocks: it could never finish
+            raise ValueError(f"kv_blocks={kv_blocks} cannot hold requests[{i}]'s whole sequence (its prompt and "
+                             f"max_new_tokens, at most max_len): it needs {n_blocks} blocks of {kv_block_size} positions")
+    paged = kv_blocks is not None  # then the cache is kv_blocks blocks of kv_block_size, not n_slots of max_len
+    check_cache_fits(model.config, kv_blocks if paged else n_slots, kv_block_size if paged else max_len, device,
+                     model.lm_head.weight.dtype, unit="blocks" if paged else "slots")  # model.py
     return checked
 
 
@@ -608,6 +738,9 @@ LEGEND = {  # each figure of summarize(), in the table's order, and what it coun
                               "(disaggregated: also waiting for the prefill worker)",
     "KV moved (MB / ms)": "disaggregated: keys and values the prefill worker copied into decode slots, and "
                           "the seconds its copies took",
+    "KV cache in use": "cache positions holding a token, as a share of all the cache has (per slot, n_slots x "
+                       "max_len; paged, the pool's): mean / peak over the steps",
+    "preemptions": "paged: requests sent back to the queue for their blocks, to feed prompt and answer again",
 }
 
 
@@ -627,6 +760,7 @@ def summarize(requests, completions, reports, wall_s):
         return (percentile(values, 50), percentile(values, 99)) if values else None
 
     n_tokens = sum(report.n_running for report in reports)
+    in_use = [report.kv_used / report.kv_total for report in reports if report.kv_total]  # each step's share
     gaps_ms = [1e3 * (later - earlier) for _, c in done for earlier, later in zip(c.token_times_s, c.token_times_s[1:])]
     return {
         "steps": len(reports),
@@ -647,6 +781,8 @@ def summarize(requests, completions, reports, wall_s):
         "KV moved (MB / ms)": ((sum(report.kv_bytes for report in reports) / 1e6,
                                 1e3 * sum(report.kv_s for report in reports))
                                if any(report.handed_over for report in reports) else None),
+        "KV cache in use": (sum(in_use) / len(in_use), max(in_use)) if in_use else None,
+        "preemptions": sum(len(report.preempted) for report in reports),
     }
 
 
@@ -657,7 +793,7 @@ def print_table(summaries, legend=False):
             return " / ".join(cell(row, v) for v in value)
         if value is None:
             return "-"
-        if "occupancy" in row or "outside" in row:
+        if "occupancy" in row or "outside" in row or "in use" in row:
             return f"{value:.0%}"
         if isinstance(value, int):
             return str(value)
@@ -674,6 +810,7 @@ def print_step(report):
     """One line per step; read down the screen, the columns are the belt moving."""
     events = [f"+{letter(i)}" for i in report.admitted] + [f">{letter(i)}" for i in report.handed_over]
     events += [f"-{letter(i)}({c.finish_reason},{len(c.tokens)})" for i, c in report.finished]
+    events += [f"!{letter(i)}" for i in report.preempted]
     print(f"step {report.step:4d} |{report.belt}| {report.n_running:2d}/{len(report.belt)} "
           f"waiting {report.n_waiting:3d}  {' '.join(events)}".rstrip(), flush=True)
 
@@ -691,27 +828,28 @@ def fail(message):
 
 def check_runs(model, requests, runs, args, eos_id):
     """What generate would refuse in any of the runs, refused in one line before anything is printed."""
-    for _, n_slots, policy, prefill_chunk, disaggregate in runs:
+    for _, n_slots, policy, prefill_chunk, disaggregate, kv_blocks in runs:
         try:
             check_arguments(model, requests, n_slots, args.max_len or model.config.block_size, eos_id, policy,
-                            prefill_chunk, disaggregate)
+                            prefill_chunk, disaggregate, kv_blocks, args.kv_block_size)
         except ValueError as e:
             fail(e)
 
 
 def run_all(model, requests, runs, args, eos_id, show_belt):
-    """Serve the same requests once per run, (name, n_slots, policy, prefill_chunk, disaggregate) ->
-    ({name: summarize(...)}, {name: completions}, {name: step reports}). Ctrl-C prints the figures
-    so far, exits 130."""
+    """Serve the same requests once per run, (name, n_slots, policy, prefill_chunk, disaggregate,
+    kv_blocks) -> ({name: summarize(...)}, {name: completions}, {name: step reports}); args.max_len and
+    args.kv_block_size hold for every run. Ctrl-C prints the figures so far, exits 130."""
     check_runs(model, requests, runs, args, eos_id)
     summaries, completions, all_reports = {}, {}, {}
-    for name, n_slots, policy, prefill_chunk, disaggregate in runs:
+    for name, n_slots, policy, prefill_chunk, disaggregate, kv_blocks in runs:
         where = f"; {placement(model.lm_head.weight.device)}" if disaggregate else ""
         if show_belt:
             prompt_mark = "with the prefill worker; '>A': A's keys and values handed over" if disaggregate else \
                 "not all in yet"
-            print(f"\n== {name}: {len(requests)} requests, {n_slots} slots (letter: the request that made a token in "
-                  f"that slot; '~': its prompt {prompt_mark}; '.': a slot doing no useful work){where}")
+            paged = f", a pool of {kv_blocks} blocks of {args.kv_block_size} ('!K': K preempted)" if kv_blocks else ""
+            print(f"\n== {name}: {len(requests)} requests, {n_slots} slots{paged} (letter: the request that made a "
+                  f"token in that slot; '~': its prompt {prompt_mark}; '.': a slot doing no useful work){where}")
         elif disaggregate:
             print(f"{name}: {where[2:]}")
         reports, start = [], time.perf_counter()
@@ -726,7 +864,8 @@ def run_all(model, requests, runs, args, eos_id, show_belt):
         try:
             completions[name] = generate(model, requests, n_slots=n_slots, max_len=args.max_len, eos_id=eos_id,
                                          policy=policy, prefill_chunk=prefill_chunk, on_step=on_step,
-                                         disaggregate=disaggregate)
+                                         disaggregate=disaggregate, kv_blocks=kv_blocks,
+                                         kv_block_size=args.kv_block_size)
         except KeyboardInterrupt:  # the figures so far: who finished, the steps' reports say
             finished = [None] * len(requests)
             for report in reports:
@@ -825,7 +964,7 @@ DEMO_PREFILL_CHUNK = 32  # prompt tokens a step in --demo: a 40-token prompt tak
 class Shown:
     """What --demo or --prompt ran, for tools/belt_svg.py and tools/explore.py to draw."""
     requests: list[Request]
-    runs: list[tuple]  # (name, n_slots, policy, prefill_chunk, disaggregate): run_all's runs, in order
+    runs: list[tuple]  # (name, n_slots, policy, prefill_chunk, disaggregate, kv_blocks): run_all's runs, in order
     completions: dict  # {run name: its Completions}
     summaries: dict  # {run name: summarize(...)}
     reports: dict  # {run name: its StepReports, without logits; each keeps its PackedStep}
@@ -862,9 +1001,11 @@ def demo(args):
                 for i, (prompt, max_new) in enumerate(zip(prompts, lengths))]
     # Disaggregated, the continuous run's prompts go to the worker, whole unless told otherwise.
     prefill_chunk = args.prefill_chunk or DEMO_PREFILL_CHUNK
+    if args.kv_blocks:  # Part 3: paged, against as many slots of max_len as the pool's memory makes
+        return demo_paged(args, requests, prefill_chunk, tokenizer, model)
     name = "disaggregated" if args.disaggregate else "continuous"
     runs = [(name, args.slots, "continuous", args.prefill_chunk if args.disaggregate else prefill_chunk,
-             args.disaggregate), ("static", args.slots, "static", prefill_chunk, False)]
+             args.disaggregate, None), ("static", args.slots, "static", prefill_chunk, False, None)]
     summaries, completions, reports = run_all(model, requests, runs, args, EOT, show_belt=not args.quiet)
     if tokenizer:
         print_texts(tokenizer, requests, completions[name])
@@ -874,6 +1015,24 @@ def demo(args):
           f"{cont['steps']} steps {name}, {stat['steps']} static, and the median request\nwaited "
           f"{cont['TTFT P50/P99 (steps)'][0]} steps for its first token, against {stat['TTFT P50/P99 (steps)'][0]}: "
           f"static refills the belt only once the longest answer of its batch is done.")
+    return Shown(requests, runs, completions, summaries, reports, tokenizer)
+
+
+def demo_paged(args, requests, prefill_chunk, tokenizer, model):
+    """--demo --kv-blocks N: the workload paged, then per slot in the same memory -> what it ran."""
+    n_positions, max_len = args.kv_blocks * args.kv_block_size, args.max_len or model.config.block_size
+    runs = [("paged", args.slots, "continuous", prefill_chunk, False, args.kv_blocks)]
+    if n_positions >= max_len:  # as many slots of max_len as those positions make
+        runs.append(("per slot", n_positions // max_len, "continuous", prefill_chunk, False, None))
+    summaries, completions, reports = run_all(model, requests, runs, args, EOT, show_belt=not args.quiet)
+    if tokenizer:
+        print_texts(tokenizer, requests, completions["paged"])
+    print_table(summaries, legend=True)
+    print(f"\nThe same {n_positions} cache positions{'' if len(runs) > 1 else f' (per slot: no slot of {max_len})'}:")
+    for (name, n_slots, *_), summary in zip(runs, summaries.values()):
+        at_once = max(report.n_running + report.n_prefilling for report in reports[name])
+        print(f"  {name}, {n_slots} slots: up to {at_once} requests at once, {summary['steps']} steps, median TTFT "
+              f"{summary['TTFT P50/P99 (steps)'][0]} steps, {summary['preemptions']} preemptions")
     return Shown(requests, runs, completions, summaries, reports, tokenizer)
 
 
@@ -888,7 +1047,7 @@ def prompt_mode(args):
     requests = [Request(tokenizer.encode(text), args.max_new_tokens, args.temperature, args.top_k,
                         seed=args.seed + i) for i, text in enumerate(args.prompt)]
     name = "disaggregated" if args.disaggregate else args.policy
-    run = (name, args.slots, args.policy, args.prefill_chunk, args.disaggregate)
+    run = (name, args.slots, args.policy, args.prefill_chunk, args.disaggregate, args.kv_blocks)
     summaries, completions, reports = run_all(model, requests, [run], args, EOT, show_belt=not args.quiet)
     print_texts(tokenizer, requests, completions[name])
     print_table(summaries, legend=True)
@@ -941,8 +1100,11 @@ OPTIONS = {  # each option of nanobatch.py and tools/ once: name -> (argparse's 
     "device": (dict(type=usable_device, help="cpu, cuda, cuda:1, ... (cuda when present)"), None),
     "dtype": (dict(choices=["float32", "float64", "bfloat16", "float16"], help="(float32)"), "float32"),
     "quiet": (dict(action="store_true", help="no belt, only the summary"), False),
+    "kv_blocks": (dict(type=positive(int), metavar="N", help="a paged cache: N blocks that the slots share (--demo: "
+                                                    "paged, then per slot in the same memory)"), None),
+    "kv_block_size": (dict(type=positive(int), metavar="N", help="positions a block, with --kv-blocks (16)"), 16),
 }
-SERVING = {"slots", "max_len", "prefill_chunk", "disaggregate", "seed", "device", "dtype"}
+SERVING = {"slots", "max_len", "prefill_chunk", "disaggregate", "seed", "device", "dtype", "kv_blocks", "kv_block_size"}
 
 
 def parse_args(parser, argv, names):
@@ -952,6 +1114,8 @@ def parse_args(parser, argv, names):
     typed = vars(parser.parse_args(argv))
     if "quick" in typed and "weights" in typed:
         parser.error("--weights does not apply to --quick, which runs a tiny random model")
+    if "kv_block_size" in typed and "kv_blocks" not in typed:
+        parser.error("--kv-block-size applies to a paged cache only: give --kv-blocks too")
     args = argparse.Namespace(**{**{name: OPTIONS[name][1] for name in names}, **typed})
     args.device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = getattr(torch, args.dtype)

@@ -75,12 +75,14 @@ def verify(args):
                         arrival=rng.randint(1, 40) if i % 3 == 2 else 0) for i in range(n_requests)]
     try:  # bad input is refused before anything is printed
         check_arguments(model, requests, args.slots, args.max_len or model.config.block_size, None, args.policy,
-                        args.prefill_chunk, args.disaggregate)
+                        args.prefill_chunk, args.disaggregate, args.kv_blocks, args.kv_block_size)
     except ValueError as e:
         fail(e)
     prompts_go = f"prompt chunks of {args.prefill_chunk}" if args.prefill_chunk else "whole prompts"
     if args.disaggregate:
         prompts_go += f" on a prefill worker: {placement(model.lm_head.weight.device)}"
+    if args.kv_blocks:
+        prompts_go += f", paged: {args.kv_blocks} blocks of {args.kv_block_size}"
     print(f"verify: {n_requests} greedy requests (prompts of {'-'.join(map(str, prompt_lens))} random tokens, "
           f"answers of {'-'.join(map(str, answer_lens))}, {sum(r.arrival > 0 for r in requests)} arriving late) "
           f"through generate ({args.slots} slots, {args.policy}, {prompts_go}) and "
@@ -107,7 +109,8 @@ def verify(args):
 
     start = time.perf_counter()
     batched = generate(model, requests, n_slots=args.slots, max_len=args.max_len, eos_id=None, policy=args.policy,
-                       prefill_chunk=args.prefill_chunk, on_step=on_step, disaggregate=args.disaggregate)
+                       prefill_chunk=args.prefill_chunk, on_step=on_step, disaggregate=args.disaggregate,
+                       kv_blocks=args.kv_blocks, kv_block_size=args.kv_block_size)
     batched_s = time.perf_counter() - start
     # 4) Each answer, identical or judged at its first differing token. The reference's logits
     #    there come again from the forward it ran (plain, in the run's dtype, on the same prefix),

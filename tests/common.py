@@ -1,0 +1,152 @@
+"""
+What every test file shares, in one place: the tiny seeded models and their fixtures, the `offline`
+fixture, seeded workloads, the helpers that compare answers and print the worst difference, and the
+guard that keeps a hung prefill worker from hanging the suite. test_nanobatch.py (the proof) and each
+file of tests/ import the helpers they use (`from tests.common import ...`); the fixtures reach every
+test through conftest.py, `offline` (autouse) among them, so that no test touches the network.
+"""
+import math
+import random
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+from nanobatch import Request
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))  # the tools a reader may skip, tested all the same
+
+TINY = dict(block_size=64, vocab_size=512, n_layer=2, n_head=4, n_embd=64)
+V = TINY["vocab_size"]  # the engine's tests: a token's cost is mostly the LM head's, n_embd x V, so a small V
+GPT2_V = 50257  # the input checks' model keeps GPT-2's vocabulary, and so its EOS id, 50256
+MAX_LEN = 32  # positions per slot in the engine tests: short, so that some answers run out of room
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = ["cpu", "cuda"] if HAS_CUDA else ["cpu"]  # CUDA cases are collected only where torch sees a GPU
+# One CPU thread for torch, here and in the programs the tests start (cli_env, tests/test_cli.py): models this small gain
+# nothing from a second, and torch's idle threads spin while they wait, so on two cores shared with
+# anything else two threads made the suite several times slower (measured: 19 engine tests took
+# 85-125 s, not 10-11 s). The tests of the prefill worker's thread split ask for 3 threads themselves.
+torch.set_num_threads(1)
+
+
+def tiny_gpt(device="cpu", dtype=torch.float64, seed=0, **sizes):
+    """A seeded random GPT, 2 layers of 64 dimensions and a vocabulary of 512 unless told otherwise.
+    With GPT-2's init (std 0.02) a model this small is so smooth that its tokens hardly depend on
+    what attention sees, and a key read from the wrong slot goes unnoticed.
+    Drawing the blocks' matrices with std 0.1 makes tokens depend on their context (measured while
+    writing these tests: 39 of 48 runs with a deliberately broken cache read caught, not 26)."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**{**TINY, **sizes}))
+    with torch.no_grad():
+        for p in model.transformer.h.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.1)
+    return model.to(device, dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    """The model most tests share: float64 on CPU."""
+    return tiny_gpt()
+
+
+@pytest.fixture(scope="module")
+def gpt2_vocab():
+    """The same with GPT-2's vocabulary, for the input checks: ids up to 50256, EOS the default."""
+    return tiny_gpt(vocab_size=GPT2_V)
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def gpt_on(request):
+    """The same model on every device present; float64 on CUDA too, so tokens must match exactly."""
+    return tiny_gpt(request.param)
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """No test touches the network: urlopen refuses every address but a local file://."""
+    real_urlopen = urllib.request.urlopen
+
+    def urlopen(url, *args, **kwargs):
+        if not str(url).startswith("file:"):
+            raise urllib.error.URLError("the tests run offline")
+        return real_urlopen(url, *args, **kwargs)
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+
+
+def random_prompt(rng, n_tokens):
+    return [rng.randrange(V) for _ in range(n_tokens)]
+
+
+def first_difference(got, want):
+    """'' when the completions agree token for token and reason for reason, else the first that differs."""
+    if len(got) != len(want):
+        return f"{len(got)} completions for {len(want)} requests"
+    for i, (g, w) in enumerate(zip(got, want)):
+        if (g.tokens, g.finish_reason) != (w.tokens, w.finish_reason):
+            return f"request {i} differs:\n  got  {g.finish_reason} {g.tokens}\n  want {w.finish_reason} {w.tokens}"
+    return ""
+
+
+def worst(got, want):
+    """The largest absolute difference and where it is: what a failed closeness check should print."""
+    diff = (got - want).abs().nan_to_num(nan=math.inf)  # a NaN is the worst difference of all
+    where = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+    return f"max |got - want| = {diff.max().item():.3g} at {where}: got {got[where]}, want {want[where]}"
+
+
+def random_workload(seed, n_requests=10, sampled=False):
+    """Seeded requests with every corner in them: prompts of 1 and of MAX_LEN - 1 tokens, answers of
+    1 token and answers too long for their slot, and requests that arrive while others run."""
+    rng = random.Random(seed)
+    prompt_lens = [1, MAX_LEN - 1] + [rng.randint(1, MAX_LEN - 1) for _ in range(n_requests - 2)]
+    max_new = [1, 2 * MAX_LEN] + [rng.randint(1, 24) for _ in range(n_requests - 2)]
+    rng.shuffle(prompt_lens)
+    rng.shuffle(max_new)
+    requests = []
+    for i, (n_prompt, n_new) in enumerate(zip(prompt_lens, max_new)):
+        temperature, top_k = (rng.choice([0.0, 0.8, 1.5]), rng.choice([None, 1, 5, 50])) if sampled else (0.0, None)
+        arrival = 0 if rng.random() < 0.4 else rng.randint(1, 12)  # most come late, out of list order
+        requests.append(Request(random_prompt(rng, n_prompt), n_new, temperature, top_k, seed=1000 + i,
+                                arrival=arrival))
+    return requests
+
+
+# The prefill worker is a second thread: the tests that start it run through ends_within.
+
+WORKER = "nanobatch prefill worker"  # the thread's name
+TIMEOUT_S = 120  # a run here takes seconds; minutes mean it hangs
+
+
+def ends_within(seconds, function, *args, **kwargs):
+    """function(*args, **kwargs), or what it raised, provided that it ends within `seconds`."""
+    outcome = {}
+
+    def call():
+        try:
+            outcome["value"] = function(*args, **kwargs)
+        except BaseException as error:  # KeyboardInterrupt and SystemExit too: raised again below
+            outcome["error"] = error
+
+    caller = threading.Thread(target=call, name="test caller", daemon=True)
+    caller.start()
+    caller.join(seconds)
+    assert not caller.is_alive(), f"{function.__name__} still running after {seconds} s: it hangs"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def worker_threads():
+    return [thread for thread in threading.enumerate() if thread.name == WORKER]
+
+
+def on_worker():
+    return threading.current_thread().name == WORKER

@@ -1,0 +1,818 @@
+"""
+The step made visible: the README's worked step, and the page of tools/explore.py, whose rows, masks
+and events must be the engine's own.
+"""
+import dataclasses
+import html
+import html.parser
+import json
+import re
+import shutil
+import subprocess
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import model as model_py
+import nanobatch
+from model import PackedStep
+from nanobatch import Request, generate
+from tests.common import MAX_LEN, REPO, random_workload, tiny_gpt
+import explore  # noqa: E402 (tools/, put on the path by tests.common)
+
+
+# ---------------------------------------------------------------------------------------------
+# The step made visible: the README's worked step, and the page of tools/explore.py
+#
+# The README works one step through pack_step, number for number; the page draws every step of a real
+# run from the engine's own data (each StepReport's PackedStep), never a recomputation. Its rows and
+# masks must be what the loop's forward_packed calls received (captured here, in the calling thread
+# only: a prefill worker's own calls are not the loop's), its events what the StepReports said; a
+# planted broken mask must show in its data; the page must stand alone; and, where Chromium is
+# installed, a deep link must open on that step with those rows and cells in the DOM.
+
+
+def worked_step(c_prompt_len=6):
+    """The README's worked step, built by the engine's own plan_step and pack_step: A (slot 0) and B
+    (slot 1) decode, C (slot 2) has 3 of its 6 prompt tokens in, D (slot 3) has a one-token prompt,
+    the prompt budget is 4. Token ids are made up so that the tens name the request (A = 1..., D = 4...)
+    and the units the position."""
+    def running(index, slot, prompt, tokens, n_cached, arrival):
+        request = Request(prompt, max_new_tokens=10, arrival=arrival)
+        return nanobatch.Running(index, request, slot, None, admit_step=0, n_cached=n_cached, tokens=tokens)
+
+    belt = [running(0, 0, [10, 11], [12], n_cached=2, arrival=0),  # A: prompt and first token in but 12, at position 2
+            running(1, 1, [20, 21, 22], [23, 24, 25], n_cached=5, arrival=0),  # B: all in but 25, at position 5
+            running(2, 2, list(range(30, 30 + c_prompt_len)), [], n_cached=3, arrival=1),  # C: 30..32 went in before
+            running(3, 3, [40], [], n_cached=0, arrival=2)]  # D: a one-token prompt, admitted this step
+    work = nanobatch.plan_step(belt, prefill_chunk=4)
+    return belt, *nanobatch.pack_step(work, [], n_slots=4, device=torch.device("cpu"))
+
+
+def spaced_bits(mask_row):
+    """A mask's row as the README draws it: 1 or 0 per position, a space between."""
+    return " ".join(str(int(visible)) for visible in mask_row)
+
+
+def readme_worked_step(belt, packed, to_sample):
+    """The worked step as the README prints it, made from the PackedStep: what the README must hold."""
+    M, D = len(packed.tokens), packed.n_one_token
+    name = [nanobatch.letter(belt[slot].request_index) for slot in packed.slots.tolist()]  # each row's request
+
+    def line(label, values):
+        return f"{label:<11}" + "".join(f"{value:>4}" for value in values)
+
+    (chunk_rows, chunk_slot, chunk_mask), = packed.chunks
+    top = [line("row", range(M)), line("request", name), line("tokens", packed.tokens.tolist()),
+           line("positions", packed.positions.tolist()), line("slots", packed.slots.tolist()),
+           f"n_one_token = {D}: rows 0..{D - 1} attend together; rows {chunk_rows.start}..{chunk_rows.stop - 1},"
+           f" a chunk, alone over slot {chunk_slot}",
+           f"logit_rows = {packed.logit_rows.tolist()}: the rows sampled, for "
+           + ", ".join(nanobatch.letter(run.request_index) for run in to_sample) + ", in that order"]
+    S, _, L = packed.one_token_mask.shape
+    one_token_slots = packed.slots[:D].tolist()
+    left = [f"one_token_mask, (S, 1, L) = ({S}, 1, {L})", f"{'query':<8}{'from':<12}" + " ".join(map(str, range(L)))]
+    for slot in range(S):
+        source = f"row {one_token_slots.index(slot)} ({name[one_token_slots.index(slot)]})" \
+            if slot in one_token_slots else "a dummy"
+        left.append(f"slot {slot}  {source:<12}{spaced_bits(packed.one_token_mask[slot, 0])}")
+    right = [f"chunks[0]: rows {chunk_rows.start}..{chunk_rows.stop - 1}, slot {chunk_slot}, (T, L) = "
+             f"{tuple(chunk_mask.shape)}",
+             f"{'row (request, pos)':<20}" + " ".join(map(str, range(chunk_mask.size(-1))))]
+    for row, mask_row in zip(range(chunk_rows.start, chunk_rows.stop), chunk_mask):
+        right.append(f"row {row} ({name[row]}, {int(packed.positions[row])})        {spaced_bits(mask_row)}")
+    right += [""] * (len(left) - len(right))
+    return "\n".join(top + [""] + [f"{a:<42}{b}".rstrip() for a, b in zip(left, right)])
+
+
+def test_readme_worked_step():
+    """The README's worked step is what plan_step and pack_step make of that belt, number for number,
+    the rows sampled in the order of the runs due a token; and so is its variant, C with a prompt of 8,
+    which takes the whole budget and leaves D out of the step."""
+    belt, packed, to_sample = worked_step()
+    assert packed.tokens.tolist() == [12, 25, 40, 33, 34, 35]
+    assert packed.n_one_token == 3 and packed.logit_rows.tolist() == [0, 1, 2, 5]
+    assert [run.request_index for run in to_sample] == [0, 1, 3, 2]
+    text = readme_worked_step(belt, packed, to_sample)
+    readme = (REPO / "README.md").read_text()
+    assert text in readme, "the README's worked step differs from what pack_step makes; it should read:\n" + text
+    _, packed, to_sample = worked_step(c_prompt_len=8)
+    variant = (f"rows `{packed.tokens.tolist()}`, `n_one_token = {packed.n_one_token}`, dummies for slots 2 and 3, "
+               f"`logit_rows = {packed.logit_rows.tolist()}`")
+    assert variant in " ".join(readme.split()), variant  # the README's lines wrap anywhere
+    assert packed.slots[:packed.n_one_token].tolist() == [0, 1] and [run.request_index for run in to_sample] == [0, 1]
+
+
+RUNS = {  # name -> generate's options: chunks beside one-token rows; static's padding; the worker's steps
+    "continuous": dict(n_slots=3, policy="continuous", prefill_chunk=5),
+    "static": dict(n_slots=3, policy="static", prefill_chunk=5),
+    "disaggregated": dict(n_slots=3, policy="continuous", prefill_chunk=None, disaggregate=True),
+}
+
+
+def on_host(packed):
+    """A PackedStep copied to the CPU now, so that what is compared is what the forward received."""
+    return PackedStep(packed.tokens.cpu().clone(), packed.positions.cpu().clone(), packed.slots.cpu().clone(),
+                      packed.n_one_token, packed.one_token_mask.cpu().clone(),
+                      [(rows, slot, mask.cpu().clone()) for rows, slot, mask in packed.chunks],
+                      packed.logit_rows.cpu().clone())
+
+
+FORWARD_PACKED = model_py.GPT.forward_packed  # the real one, before any test wraps it
+
+
+def record_forwards(monkeypatch):
+    """model.GPT.forward_packed, recording the PackedStep of every call made in the main thread -> that list."""
+    calls = []
+
+    def recording(self, step, cache):
+        if threading.current_thread() is threading.main_thread():  # the loop's; the worker's are its own
+            calls.append(on_host(step))
+        return FORWARD_PACKED(self, step, cache)
+
+    monkeypatch.setattr(model_py.GPT, "forward_packed", recording)
+    return calls
+
+
+def explored(monkeypatch, name):
+    """A run of RUNS[name] on a tiny model, its forward calls recorded -> (its page data, reports, calls)."""
+    options = RUNS[name]
+    requests, reports = random_workload(seed=3, n_requests=7), []
+    calls = record_forwards(monkeypatch)
+    completions = generate(tiny_gpt(), requests, max_len=MAX_LEN, eos_id=None, on_step=reports.append, **options)
+    run = (name, options["n_slots"], options["policy"], options["prefill_chunk"], options.get("disaggregate", False))
+    return explore.run_data(run, requests, completions, reports), reports, calls
+
+
+def bits(mask):
+    """(..., L) bool -> a string of 0/1 per row of L: the contract's "visible", worked out here on its own."""
+    return ["".join(str(int(visible)) for visible in row) for row in mask.reshape(-1, mask.size(-1)).tolist()]
+
+
+def check_against_forwards(data, reports, calls):
+    """Step by step: a step with a forward has exactly that call's rows and masks; one without has none."""
+    forward_steps = [(step, report) for step, report in zip(data["steps"], reports) if report.packed is not None]
+    assert len(forward_steps) == len(calls), f"{len(forward_steps)} steps with a forward, {len(calls)} calls"
+    for step in data["steps"]:
+        if not any(step is s for s, _ in forward_steps):
+            assert step["rows"] == [] and step["masks"] == [], f"step {step['step']}: rows without a forward"
+    for (step, report), call in zip(forward_steps, calls):
+        rows, where = step["rows"], f"step {step['step']}"
+        assert [row["slot"] for row in rows] == call.slots.tolist(), where
+        assert [row["position"] for row in rows] == call.positions.tolist(), where
+        assert [row["token"] for row in rows] == call.tokens.tolist(), where
+        n_sampled = len(report.sampled) - len(report.handed_over)  # handovers come after the forward's rows
+        sampled_rows, padding_rows = call.logit_rows[:n_sampled].tolist(), call.logit_rows[n_sampled:].tolist()
+        assert [i for i, row in enumerate(rows) if row["sampled"]] == sorted(sampled_rows), where
+        assert [rows[i]["request"] for i in sampled_rows] == report.sampled[:n_sampled], where
+        assert [i for i, row in enumerate(rows) if row["request"] is None] == sorted(padding_rows), where
+        assert all(row["kind"] == "padding" for row in rows if row["request"] is None), where
+        D, S = call.n_one_token, call.one_token_mask.size(0)
+        want = []
+        if D:  # a forward with no one-token rows has no one-token mask
+            row_of_slot = {slot: i for i, slot in enumerate(call.slots[:D].tolist())}
+            want.append(dict(slot=None, rows=[row_of_slot.get(s) for s in range(S)], visible=bits(call.one_token_mask)))
+        want += [dict(slot=slot, rows=list(range(chunk_rows.start, chunk_rows.stop)), visible=bits(mask))
+                 for chunk_rows, slot, mask in call.chunks]
+        got = [dict(slot=mask["slot"], rows=mask["rows"], visible=mask["visible"]) for mask in step["masks"]]
+        assert got == want, where
+
+
+@pytest.fixture(scope="module")
+def explored_runs():
+    """Each of RUNS once, for the tests below -> {name: (its page data, reports, calls)}."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return {name: explored(monkeypatch, name) for name in RUNS}
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_page_rows_and_masks_are_the_forwards(explored_runs, name):
+    """Every step's rows and masks in the page's data equal the PackedStep the loop's forward received;
+    a static run has padding rows, a disaggregated one steps with no forward."""
+    data, reports, calls = explored_runs[name]
+    check_against_forwards(data, reports, calls)
+    kinds = {row["kind"] for step in data["steps"] for row in step["rows"]}
+    if name == "static":
+        assert "padding" in kinds
+    if name == "disaggregated":
+        assert any(not step["rows"] for step in data["steps"]), "the loop never waited for the worker"
+        assert "chunk" not in kinds, "the loop fed a prompt chunk itself"
+    if name == "continuous":
+        assert any(step["n_one_token"] and any(row["kind"] == "chunk" for row in step["rows"])
+                   for step in data["steps"]), "no chunk went in beside one-token rows"
+
+
+def test_rows_past_the_cut_are_chunks_of_one(monkeypatch):
+    """With attention calls made free, long one-token rows attend alone: each a chunk of one row."""
+    monkeypatch.setattr(model_py, "CALL_COST_IN_KEYS", {"cpu": 0, "gpu": 0})
+    data, reports, calls = explored(monkeypatch, "continuous")
+    check_against_forwards(data, reports, calls)
+    alone = [mask for step in data["steps"] for mask in step["masks"]
+             if mask["slot"] is not None and step["rows"][mask["rows"][0]]["kind"] == "alone past the cut"]
+    assert alone, "no row attended alone past the cut"
+    assert all(len(mask["rows"]) == 1 and len(mask["visible"]) == 1 for mask in alone)
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_page_events_are_the_step_reports(explored_runs, name):
+    """Every step's events and counts in the page's data are its StepReport's."""
+    data, reports, _ = explored_runs[name]
+    assert len(data["steps"]) == len(reports)
+    for step, report in zip(data["steps"], reports):
+        assert (step["step"], step["belt"]) == (report.step, report.belt)
+        assert (step["admitted"], step["handed_over"]) == (report.admitted, report.handed_over)
+        assert step["finished"] == [[i, c.finish_reason, len(c.tokens)] for i, c in report.finished]
+        assert (step["n_waiting"], step["n_running"], step["n_prefilling"], step["n_prompt_tokens"]) == \
+               (report.n_waiting, report.n_running, report.n_prefilling, report.n_prompt_tokens)
+        assert (step["waiting"], step["at_worker"]) == (report.waiting, report.at_worker), f"step {report.step}"
+        assert len(step["waiting"]) == report.n_waiting, f"step {report.step}: the queue the page names"
+        assert (step["model_s"], step["step_s"]) == (pytest.approx(report.model_s, abs=1e-5),
+                                                     pytest.approx(report.step_s, abs=1e-5))
+
+
+def leaks(data):
+    """(step, mask slot, query row) wherever a query may see a position past its own."""
+    return [(step["step"], mask["slot"], r) for step in data["steps"] for mask in step["masks"]
+            for r, visible in zip(mask["rows"], mask["visible"])
+            if r is not None and "1" in visible[step["rows"][r]["position"] + 1:]]
+
+
+def sees_one_past_its_own(positions, L):
+    """Broken on purpose: a token may see the position after its own too."""
+    return torch.arange(L, device=positions.device)[None, None, :] <= positions[:, :, None] + 1  # (B, T, L)
+
+
+def test_a_broken_mask_shows_in_the_page(explored_runs, monkeypatch):
+    """The page draws the engine's masks, not its own: a mask that lets a row see the position after
+    its own shows as a 1 past the query's position; the engine's own never does."""
+    assert all(leaks(data) == [] for data, _, _ in explored_runs.values())
+    monkeypatch.setattr(nanobatch, "attention_mask", sees_one_past_its_own)
+    broken, reports, calls = explored(monkeypatch, "continuous")
+    check_against_forwards(broken, reports, calls)
+    assert leaks(broken), "the broken mask left no trace in the page's data"
+
+
+# ---------------------------------------------------------------------------------------------
+# The page itself: the --quick demo, written once for these tests
+
+
+@pytest.fixture(scope="module")
+def quick_page(tmp_path_factory):
+    """tools/explore.py FILE --quick --quiet, its forwards recorded -> (the page's text, its data, calls, Shown)."""
+    path = tmp_path_factory.mktemp("explore") / "belt.html"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        calls = record_forwards(monkeypatch)
+        shown = explore.main([str(path), "--quick", "--quiet"])
+    page = path.read_text()
+    data = json.loads(re.search(r'<script type="application/json" id="nanobatch-run">(.*?)</script>', page, re.S)[1])
+    return path, page, data, calls, shown
+
+
+def test_quick_page_data_are_the_forwards(quick_page):
+    """The data the page carries (parsed back out of it) are the forwards of both demo runs, in order."""
+    _, _, data, calls, shown = quick_page
+    assert [run["name"] for run in data["runs"]] == ["continuous", "static"]
+    for run in data["runs"]:
+        n_calls = sum(report.packed is not None for report in shown.reports[run["name"]])
+        check_against_forwards(run, shown.reports[run["name"]], calls[:n_calls])
+        calls = calls[n_calls:]
+    assert calls == []
+
+
+def test_the_page_stands_alone(quick_page):
+    """One file: no reference to anything outside it, and under 2 MB."""
+    _, page, _, _, _ = quick_page
+    assert len(page.encode()) < 2e6
+    outside_the_data = re.sub(r'<script type="application/json".*?</script>', "", page, flags=re.S)
+    assert not re.search(r"\b(src|href)\s*=", outside_the_data)
+    assert not re.search(r"<(link|iframe|img|object|embed)\b|@import|https?:", outside_the_data, re.I)
+    assert all(url == "url(#hatch)" for url in re.findall(r"url\([^)]*\)", outside_the_data))
+
+
+class DrawnStep(html.parser.HTMLParser):
+    """What a dumped DOM shows: #shown-step's text, each .row's (slot, position), each .cell's data-visible
+    (the legend's sample cells have none)."""
+    def __init__(self):
+        super().__init__()
+        self.step_text, self.in_step, self.rows, self.cells = "", False, [], []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        classes = (attrs.get("class") or "").split()
+        self.in_step = attrs.get("id") == "shown-step"
+        if "row" in classes:
+            self.rows.append((int(attrs["data-slot"]), int(attrs["data-position"])))
+        if "cell" in classes and "data-visible" in attrs:
+            self.cells.append(attrs["data-visible"])
+
+    def handle_data(self, data):
+        if self.in_step:
+            self.step_text += data
+
+    def handle_endtag(self, tag):
+        self.in_step = False
+
+
+def opened(path, link):
+    """Headless Chromium at FILE#link -> (the DOM as text, what it shows: a DrawnStep); without Chromium, a skip."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("no Chromium here to open the page in (Debian: apt-get install chromium)")
+    dom = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                          f"{path.as_uri()}#{link}"], capture_output=True, text=True, timeout=30, check=True).stdout
+    shown = DrawnStep()
+    shown.feed(dom)
+    return dom, shown
+
+
+@pytest.mark.parametrize("run_name, step_number", [("continuous", 5), ("static", 12)])
+def test_a_deep_link_opens_on_its_step(quick_page, run_name, step_number):
+    """Headless Chromium at FILE#run=NAME&step=N shows step N: its number, its rows, its mask cells."""
+    path, _, data, _, _ = quick_page
+    _, shown = opened(path, f"run={run_name}&step={step_number}")
+    step = next(step for run in data["runs"] if run["name"] == run_name
+                for step in run["steps"] if step["step"] == step_number)
+    assert shown.step_text.strip() == str(step_number)
+    assert shown.rows == [(row["slot"], row["position"]) for row in step["rows"]]
+    assert "".join(shown.cells) == "".join("".join(mask["visible"]) for mask in step["masks"])
+
+
+FOLLOW_LINKS = """<script>
+// Each link as if typed into the address bar (the page reads a link on load and on hashchange, with
+// one function): what it then shows, into the DOM for the test to read.
+const followed = LINKS.map((link) => {
+  history.replaceState(null, "", "#" + link);
+  window.dispatchEvent(new HashChangeEvent("hashchange"));
+  const notice = document.querySelector("#notice");
+  return {step: document.querySelector("#shown-step").textContent.trim(), notice: notice.hidden ? "" : notice.textContent,
+          rows: [...document.querySelectorAll("#packed .row")].map((row) => [+row.dataset.slot, +row.dataset.position]),
+          cells: document.querySelectorAll(".cell[data-visible]").length, hash: location.hash,
+          info: document.querySelector("#step-info").textContent};
+});
+document.body.dataset.followed = JSON.stringify(followed);
+</script>
+</body>"""
+
+
+def test_deep_links_that_name_nothing_here_or_ask_a_question(quick_page, tmp_path):
+    """A run not in the page opens the first run with a one-line notice naming the runs there are; a
+    step that is not a number opens the first step, one past the end the last; &predict=1 opens the
+    step as a question: no rows, no cells, no figure that follows from its packing, the link kept."""
+    _, page, data, _, _ = quick_page
+    links = ["run=Static&step=12", "run=static&step=abc", "run=static&step=100000", "run=continuous&step=12&predict=1"]
+    following = tmp_path / "following.html"
+    following.write_text(page.replace("</body>", FOLLOW_LINKS.replace("LINKS", json.dumps(links))))
+    dom, _ = opened(following, "")
+    followed = json.loads(html.unescape(re.search(r'data-followed="([^"]*)"', dom)[1]))
+    steps = {run["name"]: run["steps"] for run in data["runs"]}
+    wanted = [steps["continuous"][12], steps["static"][0], steps["static"][-1]]  # continuous: the first run
+    for link, got, step in zip(links, followed, wanted):
+        assert got["step"] == str(step["step"]), link
+        assert got["rows"] == [[row["slot"], row["position"]] for row in step["rows"]], link
+    assert followed[0]["notice"] == 'No run named "Static" here; the runs are: continuous, static. Showing continuous.'
+    assert followed[1]["notice"] == followed[2]["notice"] == ""
+    question = followed[3]
+    assert question["step"] == "12" and question["rows"] == [] and question["cells"] == 0
+    assert question["hash"] == "#run=continuous&step=12&predict=1" and "M = ? rows" in dom
+    assert "make a token" not in question["info"] and "prompt tokens" not in question["info"]
+
+
+PRESS_KEYS = """<script>
+function press(key) { window.dispatchEvent(new KeyboardEvent("keydown", {key})); }
+function shown() {  // the rows drawn, the address, and whether a figure that follows from the packing shows
+  const text = document.getElementById("step-info").textContent + document.getElementById("packed-title").textContent;
+  return document.querySelectorAll("#packed .row").length + " " + location.hash + " " +
+    /make a token|prompt tokens|padding row|dumm|M = [0-9]/.test(text);
+}
+press("p");  // predict on: the step shown becomes the question
+document.body.dataset.asked = shown();
+press("ArrowRight");  // one step on: its rows, and the figures that give them away, hidden
+document.body.dataset.hidden = shown();
+press("Enter");  // revealed
+document.body.dataset.revealed = shown();
+</script>
+</body>"""
+
+
+def test_predict_hides_the_next_step_until_revealed(quick_page, tmp_path):
+    """At continuous step 5, the key p (predict) hides step 5's packed rows and every figure that follows
+    from them (M, the counts, prompt tokens spent, padding, dummies); the right arrow: step 6, as hidden,
+    its address (predict kept) in the hash; Enter shows them all."""
+    _, page, data, _, _ = quick_page
+    pressed = tmp_path / "pressed.html"
+    pressed.write_text(page.replace("</body>", PRESS_KEYS))
+    dom, _ = opened(pressed, "run=continuous&step=5")
+    n_rows = len(next(step for step in data["runs"][0]["steps"] if step["step"] == 6)["rows"])
+    assert 'data-asked="0 #run=continuous&amp;step=5&amp;predict=1 false"' in dom
+    assert 'data-hidden="0 #run=continuous&amp;step=6&amp;predict=1 false"' in dom
+    assert f'data-revealed="{n_rows} #run=continuous&amp;step=6&amp;predict=1 true"' in dom
+
+
+def test_rows_carry_the_token_text_where_a_tokenizer_is_loaded(explored_runs):
+    """With a tokenizer, each row's text is its token decoded alone; without one, the row has no text."""
+    data, reports, _ = explored_runs["continuous"]
+    report = next(report for report in reports if report.packed is not None)
+    tokenizer = SimpleNamespace(decode=lambda ids: f"<{ids[0]}>")  # a stand-in: what explore calls, and nothing else
+    rows, _ = explore.rows_and_masks(report.packed, report.step, explore.occupants([]), 0, tokenizer)
+    assert [row["text"] for row in rows] == [f"<{token}>" for token in report.packed.tokens.tolist()]
+    assert all("text" not in row for step in data["steps"] for row in step["rows"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The page's files: tools/explore.html, the template a reader opens, and the script in it
+
+
+def page_script(page):
+    """The page's script: its one <script> that is not the JSON data."""
+    return re.search(r"<script>\n(.*?)</script>", page, re.S)[1]
+
+
+def page_style(page):
+    """The page's style: its one <style>."""
+    return re.search(r"<style>(.*?)</style>", page, re.S)[1]
+
+
+def test_the_page_is_its_template_filled_in(quick_page):
+    """The page written is tools/explore.html word for word, with its three markers filled in: the
+    belts' hatching, the belts, the data."""
+    _, page, _, _, _ = quick_page
+    template = explore.TEMPLATE.read_text()
+    parts = re.split(r"__(?:HATCH|BELTS|DATA)__", template)
+    assert len(parts) == 4, "tools/explore.html should hold each of its three markers once"
+    assert re.fullmatch("(.*?)".join(map(re.escape, parts)), page, re.S), "the page is not its template filled in"
+
+
+def test_the_page_script_parses(quick_page, tmp_path):
+    """node --check takes the page's script; and the same check refuses it with a brace missing."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no Node.js here to check the page's script with (Debian: apt-get install nodejs)")
+    _, page, _, _, _ = quick_page
+    script = page_script(page)
+    brace_missing = script.replace("function render(runIndex, index, concealed) {", "function render(runIndex)")
+    for name, text, parses in [("page.js", script, True), ("broken.js", brace_missing, False)]:
+        path = tmp_path / name
+        path.write_text(text)
+        checked = subprocess.run([node, "--check", str(path)], capture_output=True, text=True, timeout=30)
+        assert (checked.returncode == 0) == parses, f"{name}: node --check said {checked.returncode}:\n{checked.stderr}"
+
+
+def undrawn(data, script):
+    """The keys of the page's data (at every level: runs, requests, steps, rows, masks) that its script
+    never reads, as `.key`."""
+    runs = data["runs"]
+    steps = [step for run in runs for step in run["steps"]]
+    dicts = [data, *runs, *(request for run in runs for request in run["requests"]), *steps,
+             *(row for step in steps for row in step["rows"]), *(mask for step in steps for mask in step["masks"])]
+    return sorted({key for d in dicts for key in d if not re.search(rf"\.{key}\b", script)})
+
+
+def test_every_field_of_the_data_is_drawn(quick_page):
+    """Every field explore.py writes into the page's data is read by its script: none is carried for
+    nothing. Planted: the one-token call's caption says L from its bits again, and `cut` goes unread."""
+    _, page, data, _, _ = quick_page
+    script = page_script(page)
+    assert undrawn(data, script) == []
+    assert undrawn(data, script.replace("over L = ${step.cut} positions", "over L = ${L} positions")
+                   .replace("the cut is ${step.cut}", "the cut")) == ["cut"]
+
+
+# ---------------------------------------------------------------------------------------------
+# What the page draws, pinned in Chromium, on a schedule worked by hand
+#
+# Six requests on two slots (eos_id=None, so each makes exactly max_new_tokens), whose schedule is
+# worked out below, run four ways: continuous, static, disaggregated, and continuous under a mask
+# that sees one position past its own. The page of these four runs is opened once in Chromium, where
+# a probe runs the page's own script again, in a scope of its own, at every step of every run: as
+# written, and once per defect planted (its style or script edited here as text). Each check below
+# must pass on the page as written and fail on each defect planted for it. One launch for them all:
+# a launch of Chromium takes a second or more on two cores, a run of the page's script milliseconds.
+
+HAND_WORKED = [(3, 2, 0), (2, 3, 0), (3, 1, 0), (2, 2, 10), (1, 1, 10), (2, 1, 10)]  # (prompt length, tokens, arrival)
+# continuous  step 0   |AB|  A, B admitted (their whole prompts, each a chunk), C waits     queue: C
+#             step 1   |AB|  A's last token                                                 queue: C
+#             step 2   |CB|  C takes A's slot and makes its one token; B's last              queue: none
+#             (the belt empty and no one waiting: the clock jumps to step 10, when D, E, F arrive)
+#             step 10  |DE|  D, E admitted, F waits; E (a one-token prompt) makes its one    queue: F
+#             step 11  |DF|  F takes E's slot; D's last token, F's one                       queue: none
+# static: a slot refills only once every slot is free, so C waits for B, F for D:
+#             step 0 |AB| C, step 1 |AB| C, step 2 |.B| C, step 3 |C.| none, step 10 |DE| F, step 11 |D.| F,
+#             step 12 |F.| none
+CONTINUOUS_QUEUE = {0: "C", 1: "C", 2: "", 10: "F", 11: ""}  # step -> who waits after its admissions
+QUEUES = {"continuous": CONTINUOUS_QUEUE, "broken": CONTINUOUS_QUEUE,  # a mask changes no schedule
+          "static": {0: "C", 1: "C", 2: "C", 3: "", 10: "F", 11: "F", 12: ""}}
+BY_HAND = {  # name -> generate's options
+    "continuous": dict(policy="continuous"),
+    "static": dict(policy="static"),
+    "disaggregated": dict(policy="continuous", disaggregate=True),
+    "broken": dict(policy="continuous"),  # run with sees_one_past_its_own for the mask
+}
+EMPTY, GREY, RED = "rgb(243, 243, 243)", "rgb(154, 154, 154)", "rgb(238, 0, 0)"  # a 0; padding's 1; a 1 past its row
+
+PLANTED = {  # a defect: (the style or the script, the text as written, the text planted)
+    "the shown step's index": ("script", "$(\"#shown-step\").textContent = step.step;",
+                               "$(\"#shown-step\").textContent = index;"),
+    "the index in the address": ("script", "step=${run.steps[state.index].step}", "step=${state.index}"),
+    "a 1 painted as a 0": ("style", ".cell.v1 { background: var(--c); }", ""),
+    "cells painted from positions": ("script", '<i class="cell${bit === "1" ? " v1" : ""}',
+                                     '<i class="cell${row !== null && l <= row.position ? " v1" : ""}'),
+    "its own position marked": ("script", 'if (bit === "1" && l > row.position) marks = " leak";',
+                                'if (bit === "1" && l >= row.position) marks = " leak";'),
+    "no marks in the one-token call": ("script", 'if (bit === "1" && l > row.position) marks = " leak";',
+                                       'if (bit === "1" && l > row.position && mask.slot !== null) marks = " leak";'),
+    "no marks in a chunk": ("script", 'if (bit === "1" && l > row.position) marks = " leak";',
+                            'if (bit === "1" && l > row.position && mask.slot === null) marks = " leak";'),
+    "the frame at the index": ("script", "+svg.dataset.left + step.step * +svg.dataset.stepWidth",
+                               "+svg.dataset.left + index * +svg.dataset.stepWidth"),
+    "the queue before admission": ("script", "chips(step.waiting)", "chips([...step.admitted, ...step.waiting])"),
+    "the worker's prompts during the step": (
+        "script", 'const held = step.at_worker.length ? chips(step.at_worker).join("") : "none";',
+        'const during = [...step.at_worker, ...step.handed_over];\n'
+        '    const held = during.length ? chips(during).join("") : "none";'),
+}
+
+PROBE = """<script>
+const LINKS = __LINKS__, VARIANTS = __VARIANTS__;  // filled in by the fixture below
+// The probe: at each link, what the page drew: the step shown, the address, the frames' x, each part
+// of the step's figures with its chips, and each mask cell's data-visible and its colour as painted.
+function look(hash) {
+  const belt = [...document.querySelectorAll(".belt")].find((belt) => belt.style.display !== "none");
+  const cell = (cell) => [cell.dataset.visible, getComputedStyle(cell).backgroundColor,
+                          getComputedStyle(cell).backgroundImage !== "none"];
+  return {step: document.querySelector("#shown-step").textContent, hash,
+          frames: [...belt.querySelectorAll(".mark")].map((frame) => +frame.getAttribute("x")),
+          rows: [...document.querySelectorAll("#packed .row")].map((row) => [+row.dataset.slot, +row.dataset.position]),
+          info: [...document.querySelectorAll("#step-info > span")].map((span) =>
+            [span.textContent, [...span.querySelectorAll(".chip")].map((chip) => chip.textContent)]),
+          grids: [...document.querySelectorAll("#attention .grid")].map((grid) =>
+            [...grid.querySelectorAll(".qrow")].map((query) => [...query.querySelectorAll(".cell")].map(cell)))};
+}
+// Each request's colour, as the browser paints it.
+const probe = document.body.appendChild(document.createElement("i"));
+const colours = JSON.parse(document.getElementById("nanobatch-run").textContent).runs[0].requests.map((request) => {
+  probe.style.background = request.colour;
+  return getComputedStyle(probe).backgroundColor;
+});
+// Each variant's style and script (the page's, or with a defect planted): the script run again in a
+// function of its own, then each link followed as the page follows one (fromHash, then go). Its
+// address bar is an object of its own: Chrome throttles history.replaceState, called here hundreds of times.
+const looked = {};
+for (const [name, [style, script]] of Object.entries(VARIANTS)) {
+  document.querySelector("style").textContent = style;
+  const address = {hash: ""}, history = {replaceState: (state, title, hash) => { address.hash = hash; }};
+  try {
+    looked[name] = new Function("LINKS", "look", "location", "history", script + `
+      return LINKS.map((link) => { location.hash = "#" + link; go(...fromHash()); return look(location.hash); });`
+    )(LINKS, look, address, history);
+  } catch (error) {
+    looked[name] = String(error);
+  }
+}
+document.body.dataset.looked = JSON.stringify({colours, looked});
+</script>
+</body>"""
+
+
+def hand_worked_requests():
+    return [Request(list(range(10 * i + 1, 10 * i + 1 + n_prompt)), max_new_tokens=n_tokens, arrival=arrival)
+            for i, (n_prompt, n_tokens, arrival) in enumerate(HAND_WORKED)]
+
+
+def run_by_hand(name):
+    """BY_HAND[name] on two slots, on a tiny model -> (the run as Shown holds it, completions, reports)."""
+    options, reports = BY_HAND[name], []
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        if name == "broken":
+            monkeypatch.setattr(nanobatch, "attention_mask", sees_one_past_its_own)
+        completions = generate(tiny_gpt(), hand_worked_requests(), n_slots=2, eos_id=None, on_step=reports.append,
+                               **options)
+    return (name, 2, options["policy"], None, options.get("disaggregate", False)), completions, reports
+
+
+def probe_links(data):
+    """Every step of every run, by its number, and one link into the gap: (link, run, the step it must show)."""
+    links = [(f"run={run['name']}&step={step['step']}", run, step) for run in data["runs"] for step in run["steps"]]
+    continuous = data["runs"][0]
+    return links + [("run=continuous&step=5", continuous, continuous["steps"][3])]  # 5: in the gap, so step 10
+
+
+@pytest.fixture(scope="module")
+def by_hand():
+    """BY_HAND's four runs, as nanobatch.Shown holds them, and their page -> a namespace: shown, page, data."""
+    requests, runs, completions, reports = hand_worked_requests(), [], {}, {}
+    for name in BY_HAND:
+        run, completions[name], reports[name] = run_by_hand(name)
+        runs.append(run)
+    summaries = {name: nanobatch.summarize(requests, completions[name], reports[name], 1.0) for name in BY_HAND}
+    shown = nanobatch.Shown(requests, runs, completions, summaries, reports, None)
+    page = explore.page_html(shown)
+    data = json.loads(re.search(r'<script type="application/json" id="nanobatch-run">(.*?)</script>', page, re.S)[1])
+    return SimpleNamespace(shown=shown, page=page, data=data)
+
+
+@pytest.fixture(scope="module")
+def probed(by_hand, tmp_path_factory):
+    """by_hand's page, opened once in Chromium with the probe -> by_hand with more: the links followed,
+    the colour the browser paints each request in, and {variant: what it drew at each link}."""
+    page, links = by_hand.page, probe_links(by_hand.data)
+    variants = {"as written": [page_style(page), page_script(page)]}
+    for name, (where, written, planted) in PLANTED.items():
+        style, script = variants["as written"]
+        assert (style if where == "style" else script).count(written) == 1, f"{name}: {written!r} is not in the page"
+        variants[name] = [style.replace(written, planted), script] if where == "style" else \
+            [style, script.replace(written, planted)]
+    probe = PROBE.replace("__LINKS__", json.dumps([link for link, _, _ in links]))
+    probe = probe.replace("__VARIANTS__", json.dumps(variants).replace("<", "\\u003c"))  # no "</script>" in it
+    path = tmp_path_factory.mktemp("probe") / "probed.html"
+    path.write_text(page.replace("</body>", probe))
+    dom, _ = opened(path, "")
+    dumped = json.loads(html.unescape(re.search(r'data-looked="([^"]*)"', dom)[1]))
+    for name, looks in dumped["looked"].items():
+        assert isinstance(looks, list), f"the page's script, {name}, did not run: {looks}"
+    return SimpleNamespace(**vars(by_hand), links=links, colours=dumped["colours"], looked=dumped["looked"])
+
+
+def check_planted(check, probed, *defects):
+    """check passes on the page as written, and fails (an AssertionError) on each of the defects planted."""
+    check(probed, probed.looked["as written"])
+    for defect in defects:
+        try:
+            check(probed, probed.looked[defect])
+        except AssertionError:
+            continue
+        pytest.fail(f"{check.__name__} passed with a defect planted: {defect}")
+
+
+def check_deep_links(probed, looks):
+    """Each link shows the step it names, by its number: #shown-step, the address, the packed rows."""
+    for (link, run, step), look in zip(probed.links, looks):
+        assert look["step"] == str(step["step"]), f"{link}: #shown-step says {look['step']}, not {step['step']}"
+        assert look["hash"] == f"#run={run['name']}&step={step['step']}", f"{link}: the address says {look['hash']}"
+        assert look["rows"] == [[row["slot"], row["position"]] for row in step["rows"]], link
+
+
+def test_deep_links_on_a_run_whose_clock_jumps(probed):
+    """In the gap run, step numbers and the steps' places in the list differ after the jump (step 10 is
+    the fourth): every link shows the step it names, by its number, a link into the gap the next step.
+    Planted: #shown-step shows the step's place in the list; the address carries it."""
+    assert [step["step"] for step in probed.data["runs"][0]["steps"]] == [0, 1, 2, 10, 11]
+    check_planted(check_deep_links, probed, "the shown step's index", "the index in the address")
+
+
+def cells_of(look, step):
+    """Each mask cell drawn at a step, with what the data say of it -> [(where, its bit, the row it is
+    for (None: a dummy query), its position, what was drawn: (data-visible, colour, hatched))]."""
+    assert len(look["grids"]) == len(step["masks"]), "a grid per mask"
+    cells = []
+    for g, (mask, grid) in enumerate(zip(step["masks"], look["grids"])):
+        assert len(grid) == len(mask["rows"]), "a row of cells per query"
+        for q, (r, bits_of_query, drawn) in enumerate(zip(mask["rows"], mask["visible"], grid)):
+            assert len(drawn) == len(bits_of_query), "a cell per position"
+            row = None if r is None else step["rows"][r]
+            cells += [((g, q, l), bit, row, l, painted) for l, (bit, painted) in enumerate(zip(bits_of_query, drawn))]
+    return cells
+
+
+def check_cells(probed, looks):
+    """Each cell says its bit (data-visible) and is painted as its bit says: a 1 in its row's colour
+    (grey for padding or a dummy query; red where it is past the row's position), a 0 empty or hatched."""
+    for (link, run, step), look in zip(probed.links, looks):
+        for where, bit, row, l, (visible, colour, hatched) in cells_of(look, step):
+            where = f"{link}, mask {where[0]}, query {where[1]}, position {l}"
+            assert visible == bit, f"{where}: data-visible {visible}, the data {bit}"
+            painted_one = not hatched and colour != EMPTY
+            assert painted_one == (bit == "1"), f"{where}: a {bit} painted {colour}{' hatched' if hatched else ''}"
+            if bit == "1" and (row is None or l <= row["position"]):
+                want = GREY if row is None or row["request"] is None else probed.colours[row["request"]]
+                assert colour == want, f"{where}: a 1 painted {colour}, not its row's {want}"
+
+
+def test_mask_cells_are_painted_as_their_bits(probed):
+    """At every step of the four runs, every cell is painted as its data-visible says. Planted: the
+    style forgets to colour a 1; the script paints a cell from the row's position, not from its bit."""
+    check_planted(check_cells, probed, "a 1 painted as a 0", "cells painted from positions")
+
+
+def check_marks(probed, looks):
+    """Red exactly where a 1 lies past its row's position."""
+    for (link, run, step), look in zip(probed.links, looks):
+        cells = cells_of(look, step)
+        red = {where for where, _, _, _, (_, colour, _) in cells if colour == RED}
+        past = {where for where, bit, row, l, _ in cells if bit == "1" and row is not None and l > row["position"]}
+        assert red == past, f"{link}: red but not past their rows {sorted(red - past)}, unmarked {sorted(past - red)}"
+
+
+def test_a_mask_that_sees_one_past_is_marked_where_it_does(probed):
+    """The broken run's masks see one position past their rows', in the one-token call and in chunks:
+    the page marks red exactly those cells, and no cell of the other runs. Planted: the own position
+    marked too; the one-token call's leaks unmarked; a chunk's."""
+    broken = next(run for run in probed.data["runs"] if run["name"] == "broken")
+    leaking = {mask["slot"] is None for step in broken["steps"] for mask in step["masks"]
+               for r, visible in zip(mask["rows"], mask["visible"])
+               if r is not None and "1" in visible[step["rows"][r]["position"] + 1:]}
+    assert leaking == {True, False}, "the broken run should see past its rows in the one-token call and in a chunk"
+    check_planted(check_marks, probed, "its own position marked", "no marks in the one-token call",
+                  "no marks in a chunk")
+
+
+def attributes(element):
+    return dict(re.findall(r'([\w-]+)="([^"]*)"', element))
+
+
+def check_frames(probed, looks):
+    """The frame (over the slots, and over the worker's lanes) sits on the step's column: where the
+    belt drew that step of every stay it covers."""
+    belts = dict(re.findall(r'<div class="belt" data-run="([^"]*)">(.*?)</div>', probed.page, re.S))
+    for (link, run, step), look in zip(probed.links, looks):
+        stays = [attributes(rect) for rect in re.findall(r'<rect class="stay"[^>]*>', belts[run["name"]])]
+        columns = [float(stay["x"]) + (step["step"] - int(stay["data-admit"])) * float(stay["width"]) /
+                   (int(stay["data-finish"]) - int(stay["data-admit"]) + 1)
+                   for stay in stays if int(stay["data-admit"]) <= step["step"] <= int(stay["data-finish"])]
+        assert columns, f"{link}: no stay covers the step"
+        n_frames = 2 if run["disaggregate"] else 1
+        assert len(look["frames"]) == n_frames, f"{link}: {len(look['frames'])} frames"
+        for x in look["frames"]:
+            assert all(abs(x - column) < 0.05 for column in columns), f"{link}: the frame at {x}, the step at {columns}"
+
+
+def test_the_frame_sits_on_the_step_shown(probed):
+    """Planted: the frame at the step's place in the list, which the clock's jump sets apart."""
+    check_planted(check_frames, probed, "the frame at the index")
+
+
+def chips_of(look, label):
+    """The chips in the part of the step's figures that begins with label; None: no such part."""
+    return next((chips for text, chips in look["info"] if text.startswith(label)), None)
+
+
+def check_queue_and_worker(probed, looks):
+    """The queue's chips are the engine's recorded queue (StepReport.waiting) after the step's
+    admissions; the worker's (disaggregated only) the prompts it recorded holding after the step."""
+    for (link, run, step), look in zip(probed.links, looks):
+        report = probed.shown.reports[run["name"]][run["steps"].index(step)]
+        queue, recorded = chips_of(look, "queue:"), [nanobatch.letter(i) for i in report.waiting]
+        assert queue == recorded, f"{link}: the queue drawn {queue}, recorded {recorded}"
+        held = chips_of(look, "the prefill worker holds:")
+        assert held == ([nanobatch.letter(i) for i in report.at_worker] if run["disaggregate"] else None), \
+            f"{link}: the worker holds {held}, recorded {[nanobatch.letter(i) for i in report.at_worker]}"
+
+
+def test_the_queue_is_the_engines_and_the_schedule_worked_by_hand(by_hand):
+    """Each step's queue in the page's data is what its StepReport recorded, and the schedule worked by
+    hand above; the worker's prompts are what the engine recorded it holding after the step."""
+    for run in by_hand.data["runs"]:
+        reports = by_hand.shown.reports[run["name"]]
+        assert [step["waiting"] for step in run["steps"]] == [report.waiting for report in reports]
+        assert [step["at_worker"] for step in run["steps"]] == [report.at_worker for report in reports]
+        if run["name"] in QUEUES:
+            assert {step["step"]: "".join(nanobatch.letter(i) for i in step["waiting"]) for step in run["steps"]} \
+                == QUEUES[run["name"]], f"{run['name']}: the queue worked by hand"
+
+
+def test_the_queue_and_the_worker_drawn_are_the_engines(probed):
+    """Planted: the queue as it stood before admission; the worker's prompts during the step (its
+    handovers too)."""
+    check_planted(check_queue_and_worker, probed, "the queue before admission", "the worker's prompts during the step")
+
+
+def worker_lane(page, name):
+    """{request: the steps its bar in the worker's lane covers}, read from the page's SVG."""
+    belt = re.search(rf'<div class="belt" data-run="{name}">(.*?)</div>', page, re.S)[1]
+    svg = attributes(re.search(r"<svg[^>]*>", belt)[0])
+    left, step_w, lane = float(svg["data-left"]), float(svg["data-step-width"]), {}
+    for rect in re.findall(r'<rect class="held"[^>]*>', belt):
+        held = attributes(rect)
+        first, n_steps = round((float(held["x"]) - left) / step_w), round(float(held["width"]) / step_w)
+        lane[int(held["data-request"])] = set(range(first, first + n_steps))
+    return lane
+
+
+def check_lane(page, reports):
+    recorded = {}
+    for report in reports:
+        for i in report.at_worker + report.handed_over:
+            recorded.setdefault(i, set()).add(report.step)
+    assert worker_lane(page, "disaggregated") == recorded
+
+
+def test_the_workers_lane_is_what_it_held(by_hand):
+    """Each bar in the worker's lane covers the steps in which the engine recorded the prompt at the
+    worker (after the step) or handed over (in it). Planted: handovers a step late in the completions."""
+    reports = by_hand.shown.reports["disaggregated"]
+    check_lane(by_hand.page, reports)
+    shown = by_hand.shown
+    late = [dataclasses.replace(c, first_token_step=c.first_token_step + 1) for c in shown.completions["disaggregated"]]
+    planted = dataclasses.replace(shown, completions={**shown.completions, "disaggregated": late})
+    with pytest.raises(AssertionError):
+        check_lane(explore.page_html(planted), reports)
+
+
+def test_the_closing_message_names_the_step_it_links(by_hand, tmp_path, monkeypatch, capsys):
+    """tools/explore.py ends with a link to step 12, or to a shorter run's last step, and says which:
+    here the gap run's last step, 11 (the fifth)."""
+    path = tmp_path / "belt.html"
+    monkeypatch.setattr(explore, "run_for_file", lambda *args: (str(path), [], by_hand.shown))
+    explore.main([str(path)])
+    assert f"at step 11, say: {path.resolve().as_uri()}#run=continuous&step=11)" in capsys.readouterr().out
