@@ -561,6 +561,9 @@ class BlockPool:
         belt[slot] = run
         fits = self.n_blocks_due(plan_step(belt, prefill_chunk)) <= len(self.free_blocks)
         belt[slot] = None
+        if not fits and not self.holders:  # alone on the belt and still short: the pool has lost blocks
+            raise RuntimeError(f"{len(self.free_blocks)} free blocks cannot take request {run.request_index} "
+                               f"alone: blocks were lost, since the input checks saw to it that they could")
         if fits:
             self.holders.append(run)
             self.preempted.pop(run.request_index, None)

@@ -17,6 +17,8 @@ same numbers; float64 on CPU makes "the same tokens" a fair demand. Chapter by c
 2)  Sampling follows its rule, written out here independently: `sample` is the one thing the engine
     and the reference share, so the one thing their equivalence cannot see.
 3)  The cached forward computes the plain forward's logits, row by row, over dirty slots.
+4)  Paged attention (Part 3): the same answers from a pool of blocks, with requests preempted and
+    taken in again; the blocks' bookkeeping; and the teeth, a block table read one block off.
 
 Everything else sits in tests/, a file per subject: loading checkpoints (test_loading.py), bad
 input (test_bad_input.py), the figures (test_figures.py), the belt as a picture and the bench
@@ -40,8 +42,8 @@ import torch
 
 import model as model_py
 import nanobatch
-from model import GPT
-from nanobatch import POLICIES, Request, attention_mask, generate, generate_sequential, sample
+from model import GPT, slot_positions
+from nanobatch import POLICIES, BlockPool, Request, attention_mask, generate, generate_sequential, sample
 from tests.common import gpt, gpt_on, offline  # noqa: F401 (fixtures, found by name)
 from tests.common import (HAS_CUDA, MAX_LEN, TIMEOUT_S, V, ends_within, first_difference, random_prompt,
                           random_workload, tiny_gpt, worker_threads, worst)
@@ -577,3 +579,95 @@ def test_packed_forward_matches_forward(device, dtype, atol, stale, cut, monkeyp
                 run.n_cached += len(ids)
         assert n_checked > 25, f"only {n_checked} rows were due a token: the feeding lost its teeth"
         assert n_split_steps >= 3 if cut == "split" else n_split_steps == 0, f"{n_split_steps} steps split"
+
+
+# ---------------------------------------------------------------------------------------------
+# 4) Paged attention (Part 3): the same answers from a pool of blocks, preempted or not
+#
+# The cache becomes a pool of kv_blocks blocks of kv_block_size positions, shared by the slots; a
+# request's block table says where each of its positions lives. The mask speaks of positions only,
+# so the answers must not change, and neither may the schedule while the pool never runs short. A
+# pool too small for every slot at once must preempt: the request admitted last gives its blocks
+# back, waits at the head of the queue, and is fed its prompt and answer again when taken in. Its
+# generator carries on, so even a sampled answer must come out as the reference's. The pools below:
+# ample holds every slot's longest sequence at once; tight holds one and a half, so that with several
+# slots requests are preempted, and taken in again, time after time (2 to 98 times a run, measured).
+
+
+def pool_size(pool, n_slots, block_size):
+    one_sequence = math.ceil(MAX_LEN / block_size)  # the blocks of the longest sequence the workload has
+    return n_slots * one_sequence if pool == "ample" else one_sequence + max(1, one_sequence // 2)
+
+
+def served_paged(model, requests, eos_id, n_slots, kv_blocks, block_size, prefill_chunk, monkeypatch):
+    """generate with a paged cache -> (its completions, its step reports, the BlockPool it used)."""
+    pools, reports = [], []
+    monkeypatch.setattr(nanobatch, "BlockPool", lambda *args: pools.append(BlockPool(*args)) or pools[-1])
+    got = generate(model, requests, n_slots=n_slots, max_len=MAX_LEN, eos_id=eos_id, prefill_chunk=prefill_chunk,
+                   on_step=reports.append, kv_blocks=kv_blocks, kv_block_size=block_size)
+    return got, reports, pools[0]
+
+
+def check_blocks(reports, pool, kv_blocks, block_size):
+    """The bookkeeping, step by step: no block in two tables, every table within the pool and
+    holding its slot's positions; at the end every block free again and nobody holding one."""
+    for report in reports:
+        held = [block for table in report.block_tables for block in table]
+        assert len(held) == len(set(held)), f"step {report.step}: a block held twice: {report.block_tables}"
+        assert all(0 <= block < kv_blocks for block in held), f"step {report.step}: {report.block_tables}"
+        assert report.kv_used <= len(held) * block_size and report.kv_total == kv_blocks * block_size, report.step
+        assert all(not table for table, i in zip(report.block_tables, report.occupants) if i is None), \
+            f"step {report.step}: an empty slot holds blocks: {report.block_tables}"
+    assert sorted(pool.free_blocks) == list(range(kv_blocks)), f"blocks not given back: {sorted(pool.free_blocks)}"
+    assert not pool.holders and not pool.preempted, (pool.holders, pool.preempted)
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 5])
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("n_slots, pool", [(1, "ample"), (4, "ample"), (4, "tight"), (16, "ample"), (16, "tight")])
+def test_paged_equals_sequential(gpt_on, workload, n_slots, block_size, prefill_chunk, pool, monkeypatch):
+    """Paged, the same tokens and finish reasons as one request at a time through the plain forward:
+    greedy and sampled, whole prompts and chunks, blocks of one position, of three (a sequence's
+    positions straddle blocks) and of 16 (most sequences in one or two), 1 to 16 slots. An ample
+    pool keeps the per-slot schedule step for step; a tight one preempts, several times a run (with
+    one slot there is nobody to preempt: a tight pool would only show admission waiting for blocks)."""
+    requests, eos_id, reference = workload
+    kv_blocks = pool_size(pool, n_slots, block_size)
+    got, reports, used_pool = served_paged(gpt_on, requests, eos_id, n_slots, kv_blocks, block_size, prefill_chunk,
+                                           monkeypatch)
+    assert first_difference(got, reference) == ""
+    check_blocks(reports, used_pool, kv_blocks, block_size)
+    # Recompute refeeds keys, never tokens: each token was sampled exactly once, from one row of logits.
+    n_rows = Counter(i for report in reports for i in report.sampled)
+    assert [n_rows[i] for i in range(len(requests))] == [len(c.tokens) for c in got], "a token sampled twice"
+    n_preempted = sum(len(report.preempted) for report in reports)
+    if pool == "ample":  # nothing to preempt, so the schedule is the per-slot one, step for step
+        per_slot = generate(gpt_on, requests, n_slots=n_slots, max_len=MAX_LEN, eos_id=eos_id,
+                            prefill_chunk=prefill_chunk)
+        assert n_preempted == 0
+        assert [(c.admit_step, c.first_token_step, c.finish_step, c.slot) for c in got] == \
+            [(c.admit_step, c.first_token_step, c.finish_step, c.slot) for c in per_slot]
+    else:
+        assert n_preempted >= 2, f"only {n_preempted} preemptions: the pool lacks teeth"
+        resumed = {i for report in reports for i in report.preempted} & {i for r in reports for i in r.admitted}
+        assert resumed, "no preempted request was taken in again"
+
+
+def test_a_block_table_read_one_block_off_is_caught(gpt, monkeypatch):
+    """Teeth: let attention read each slot's blocks one entry along its block table (block j's keys
+    read where block j - 1's belong), while the writes stay right. The masks, which speak of
+    positions, are all unchanged; only the answers can show it, and they must."""
+    requests = random_workload(seed=3, n_requests=8)
+    reference = generate_sequential(gpt, requests, max_len=MAX_LEN, eos_id=None)
+
+    def one_block_off(cache, block_tables, slots, L):
+        if block_tables is None:
+            return slot_positions(cache, block_tables, slots, L)
+        return slot_positions(cache, block_tables.roll(-1, dims=1), slots, L)
+
+    def paged():
+        return generate(gpt, requests, n_slots=4, max_len=MAX_LEN, eos_id=None, kv_blocks=48, kv_block_size=3)
+
+    assert first_difference(paged(), reference) == "", "the engine itself is broken"
+    monkeypatch.setattr(model_py, "slot_positions", one_block_off)
+    assert first_difference(paged(), reference) != "", "a block table read one block off went unnoticed"

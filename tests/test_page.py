@@ -539,8 +539,10 @@ const LINKS = __LINKS__, VARIANTS = __VARIANTS__;  // filled in by the fixture b
 // of the step's figures with its chips, and each mask cell's data-visible and its colour as painted.
 function look(hash) {
   const belt = [...document.querySelectorAll(".belt")].find((belt) => belt.style.display !== "none");
-  const cell = (cell) => [cell.dataset.visible, getComputedStyle(cell).backgroundColor,
-                          getComputedStyle(cell).backgroundImage !== "none"];
+  const cell = (cell) => {
+    const painted = getComputedStyle(cell);
+    return [cell.dataset.visible, painted.backgroundColor, painted.backgroundImage !== "none"];
+  };
   return {step: document.querySelector("#shown-step").textContent, hash,
           frames: [...belt.querySelectorAll(".mark")].map((frame) => +frame.getAttribute("x")),
           rows: [...document.querySelectorAll("#packed .row")].map((row) => [+row.dataset.slot, +row.dataset.position]),
