@@ -93,6 +93,7 @@ class StepReport:
     occupants: list[int | None] = field(default_factory=list)  # each slot's request index in the step (None: empty)
     waiting: list[int] = field(default_factory=list)  # the queue after admission, first in line first
     kv_used: int = 0  # cache positions holding a token after the step's forward, all requests together
+    n_cached: list[int] = field(default_factory=list)  # each slot's share of kv_used (0: an empty slot)
     kv_total: int = 0  # the cache's positions: n_slots x max_len, or (Part 3) the pool's
     handed_over: list[int] = field(default_factory=list)  # Part 2: prompts the worker handed over this step
     at_worker: list[int] = field(default_factory=list)  # Part 2: prompts the worker holds after the step
@@ -380,6 +381,7 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
                     sampled=[run.request_index for run in to_sample], logits=logits, packed=packed if work else None,
                     occupants=[None if run is None else run.request_index for run in belt], waiting=list(waiting),
                     kv_used=sum(run.n_cached for run in belt if run), kv_total=cache.n_positions,
+                    n_cached=[run.n_cached if run else 0 for run in belt],
                     handed_over=[handover.run.request_index for handover in handovers],
                     at_worker=[run.request_index for run in belt if worker and run and run.is_prefilling],
                     kv_bytes=sum(handover.kv_bytes for handover in handovers),
@@ -1024,8 +1026,9 @@ def demo(args):
 def demo_paged(args, requests, prefill_chunk, tokenizer, model):
     """--demo --kv-blocks N: the workload paged, then per slot in the same memory -> what it ran."""
     n_positions, max_len = args.kv_blocks * args.kv_block_size, args.max_len or model.config.block_size
-    runs = [("paged", args.slots, "continuous", prefill_chunk, False, args.kv_blocks)]
-    if n_positions >= max_len:  # as many slots of max_len as those positions make
+    # Paged (disaggregated, refused as generate refuses it), then as many slots of max_len as it makes.
+    runs = [("paged", args.slots, "continuous", prefill_chunk, args.disaggregate, args.kv_blocks)]
+    if n_positions >= max_len:
         runs.append(("per slot", n_positions // max_len, "continuous", prefill_chunk, False, None))
     summaries, completions, reports = run_all(model, requests, runs, args, EOT, show_belt=not args.quiet)
     if tokenizer:
@@ -1033,9 +1036,10 @@ def demo_paged(args, requests, prefill_chunk, tokenizer, model):
     print_table(summaries, legend=True)
     print(f"\nThe same {n_positions} cache positions{'' if len(runs) > 1 else f' (per slot: no slot of {max_len})'}:")
     for (name, n_slots, *_), summary in zip(runs, summaries.values()):
-        at_once = max(report.n_running + report.n_prefilling for report in reports[name])
-        print(f"  {name}, {n_slots} slots: up to {at_once} requests at once, {summary['steps']} steps, median TTFT "
-              f"{summary['TTFT P50/P99 (steps)'][0]} steps, {summary['preemptions']} preemptions")
+        at_once = max(report.n_running for report in reports[name])
+        print(f"  {name}, {n_slots} slot{'s' * (n_slots > 1)}: up to {at_once} requests made a token in one step; "
+              f"{summary['steps']} steps, median TTFT {summary['TTFT P50/P99 (steps)'][0]} steps, "
+              f"{summary['preemptions']} preemptions")
     return Shown(requests, runs, completions, summaries, reports, tokenizer)
 
 

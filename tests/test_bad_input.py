@@ -80,6 +80,20 @@ BAD_INPUTS = [  # (what is wrong, fields of the second Request, generate's argum
     ("no policy", {}, dict(policy=None), r"policy"),
     ("disaggregate with static", {}, dict(policy="static", disaggregate=True), r"disaggregate=True needs"),
     ("disaggregate 1", {}, dict(disaggregate=1), r"disaggregate must be True or False"),
+    # Paged attention (Part 3): the pool's numbers, and the modes it does not serve.
+    ("no blocks", {}, dict(kv_blocks=0), r"kv_blocks must be"),
+    ("kv_blocks True", {}, dict(kv_blocks=True), r"kv_blocks must be"),
+    ("kv_blocks 8.0", {}, dict(kv_blocks=8.0), r"kv_blocks must be"),
+    ("blocks of no position", {}, dict(kv_blocks=8, kv_block_size=0), r"kv_block_size must be"),
+    ("kv_block_size None", {}, dict(kv_blocks=8, kv_block_size=None), r"kv_block_size must be"),
+    ("kv_block_size without a pool", {}, dict(kv_block_size=8), r"kv_block_size=8 applies to a paged cache only"),
+    ("paged static", {}, dict(policy="static", kv_blocks=8), r"kv_blocks needs policy='continuous'"),
+    ("paged disaggregated", {}, dict(disaggregate=True, kv_blocks=8), r"and disaggregate=False"),
+    # 3 + 30 positions, in blocks of 16: 3 blocks, and the pool has 2. With fewer blocks than its own
+    # sequence needs, a request could never finish, even alone on the belt.
+    ("a pool smaller than a sequence", dict(max_new_tokens=30), dict(kv_blocks=2),
+     r"kv_blocks=2 cannot hold requests\[1\]'s whole sequence \(its prompt and max_new_tokens, at most max_len\): "
+     r"it needs 3 blocks of 16 positions"),
 ]
 
 
@@ -94,7 +108,8 @@ def test_bad_input_is_refused(gpt2_vocab, fields, arguments, name):
     with pytest.raises(ValueError, match=name):
         generate(gpt2_vocab, requests, on_step=steps.append, **arguments)
     assert steps == [], "it failed halfway, after serving steps"
-    if not {"n_slots", "policy", "disaggregate"} & arguments.keys():  # the reference refuses the same requests
+    if not {"n_slots", "policy", "disaggregate", "kv_blocks", "kv_block_size"} & arguments.keys():  # the reference
+        # refuses the same requests
         with pytest.raises(ValueError, match=name):
             generate_sequential(gpt2_vocab, requests, **arguments)
 
@@ -255,3 +270,18 @@ def test_a_cache_that_cannot_fit_is_refused_before_it_is_made(gpt, monkeypatch):
     assert len(generate(gpt, [Request([1, 2], 3)], n_slots=152, max_len=MAX_LEN, eos_id=None)[0].tokens) == 3
     free = real_available_memory(torch.device("cpu"))
     assert free is None or free > 0  # what the machine really has: MemAvailable on Linux
+    # Paged, the pool is the one allocation: 10,000 blocks of 16 positions (32,768 bytes each) cannot fit.
+    monkeypatch.setattr(model_py.KVCache, "__init__", made)
+    with pytest.raises(ValueError, match=r"a KV cache of 10000 blocks x 16 positions takes 0.328 GB, but cpu has "
+                                         r"0.01 GB free: at most 305 blocks fit at kv_block_size=16"):
+        generate(gpt, [Request([1, 2], 3)], n_slots=4, max_len=MAX_LEN, eos_id=None, kv_blocks=10_000)
+
+
+def test_a_pool_that_fits_the_longest_sequence_exactly_serves_it(gpt):
+    """The smallest pool the check lets through serves: a prompt of 5 and 27 new tokens fill max_len
+    = 32, 2 blocks of 16; alone, the request runs to its end (context) in a pool of exactly 2."""
+    request = Request(random_prompt(random.Random(0), 5), 27)
+    with pytest.raises(ValueError, match="kv_blocks=1 cannot hold"):
+        generate(gpt, [request], max_len=MAX_LEN, eos_id=None, kv_blocks=1)
+    got = generate(gpt, [request, request], n_slots=2, max_len=MAX_LEN, eos_id=None, kv_blocks=2)
+    assert first_difference(got, generate_sequential(gpt, [request, request], max_len=MAX_LEN, eos_id=None)) == ""

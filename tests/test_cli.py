@@ -121,6 +121,11 @@ def test_gpu_check_on_the_cpu(tmp_path):
     ((bench, "--decode-steps", "--slots", "4"),
      "tools/bench.py: error: --slots does not apply to --decode-steps, which times its own belts"),
     (["--demo", "--max-len", "0"], "nanobatch.py: error: argument --max-len: must be > 0, got 0"),
+    (["--demo", "--kv-blocks", "0"], "nanobatch.py: error: argument --kv-blocks: must be > 0, got 0"),
+    (["--demo", "--kv-block-size", "8"],
+     "nanobatch.py: error: --kv-block-size applies to a paged cache only: give --kv-blocks too"),
+    ((verify, "--kv-block-size", "16"),
+     "tools/verify.py: error: --kv-block-size applies to a paged cache only: give --kv-blocks too"),
     ((belt_svg, "--slots", "4", "belt.svg"), "tools/belt_svg.py: error: the following arguments are required: FILE"),
     ((verify, "--temperature", "0.8"), "tools/verify.py: error: unrecognized arguments: --temperature 0.8"),
     ((belt_svg, "no/such/folder/belt.svg"), "tools/belt_svg.py: error: argument FILE: no/such/folder/belt.svg: "
@@ -151,6 +156,9 @@ def test_cli_says_where_the_tools_went(option, where, capsys):
     ((verify, "--quick", "--policy", "static", "--disaggregate"), "disaggregate=True needs policy='continuous'"),
     (["--demo", "--quick", "--slots", "100000"], "a KV cache of 100000 slots x 1024 positions takes 105 GB, but cpu "
                                                  "has 2 GB free: at most 1907 slots fit at max_len=1024"),
+    (["--demo", "--quick", "--kv-blocks", "8", "--disaggregate"], "kv_blocks needs policy='continuous' and "
+                                                                  "disaggregate=False"),
+    (["--demo", "--quick", "--kv-blocks", "2"], "kv_blocks=2 cannot hold requests[2]'s whole sequence"),
 ])
 def test_cli_bad_input_is_one_line(argv, message, capsys, monkeypatch):
     """Input that generate refuses ends in one line, exit status 2, no traceback: a cache too large
