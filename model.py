@@ -179,7 +179,8 @@ class KVCache:
 
     def __init__(self, config, n_blocks, block_size, device, dtype):
         head_size = config.n_embd // config.n_head
-        shape = (config.n_layer, 2, n_blocks, block_size, config.n_head, head_size)  # (n_layer, k|v, blocks, positions, nh, hs)
+        # (n_layer, k|v, n_blocks, block_size, nh, hs); per slot, n_blocks is S and block_size max_len
+        shape = (config.n_layer, 2, n_blocks, block_size, config.n_head, head_size)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)  # zeros: see clear() for why
 
     def layer(self, i):

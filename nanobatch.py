@@ -296,8 +296,9 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
     requests = check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk, disaggregate,
                                kv_blocks, kv_block_size)
     device = model.lm_head.weight.device
-    pool = BlockPool(kv_blocks, kv_block_size) if kv_blocks else None  # Part 3
-    # The only large allocation, reused by every request: a block of max_len positions for each slot, or the pool's.
+    # The one large allocation, reused by every request: per slot, a block of max_len positions for each
+    # slot; paged (Part 3), kv_blocks blocks that the BlockPool hands out.
+    pool = BlockPool(kv_blocks, kv_block_size) if kv_blocks else None
     cache = model.new_cache(kv_blocks, kv_block_size) if pool else model.new_cache(n_slots, max_len)
     pending = deque(sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i)))
     waiting = deque()  # arrived, not yet admitted: first come, first served
@@ -321,10 +322,11 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
             for slot in slots_to_fill(belt, policy)[:len(waiting)]:
                 i = waiting[0]
                 run = pool.preempted.get(i) if pool else None  # Part 3: one preempted comes back as it left
-                run = run or Running(i, requests[i], slot, new_sampler(requests[i], device), step, [] if pool else [slot])
+                run = run or Running(i, requests[i], slot, new_sampler(requests[i], device), step,
+                                     block_table=[] if pool else [slot])  # per slot, block s is slot s's
                 if pool and not pool.admit(run, slot, belt, prefill_chunk):
                     break
-                run.slot, belt[slot] = slot, run  # per slot, its block table is [its slot]
+                run.slot, belt[slot] = slot, run
                 admitted.append(waiting.popleft())
                 if worker:
                     worker.inbox.put(run)
@@ -523,20 +525,17 @@ class PrefillWorker:
 # ---------------------------------------------------------------------------------------------
 # Part 3, paged attention: the cache as a pool of blocks
 #
-# Per slot, every slot reserves max_len positions for the longest answer it might give, and most of
-# them never hold a token. Paged (vLLM's PagedAttention), the cache is a pool of small blocks of
-# kv_block_size positions. A request's block table lists the blocks that hold its positions, in order:
-# position p lives at offset p % kv_block_size of block block_table[p // kv_block_size]. It takes a
-# block when its tokens reach one, and gives its blocks back when it leaves. n_slots then only says how
-# many requests step together; the pool says how many positions they hold between them.
-#
-# The mask does not change: it speaks of positions, and the block table only says where a position's
-# keys live (model.attend_packed writes through it, model.slot_positions reads through it).
-#
-# When a step needs a block and none is free, the request admitted last gives its blocks back and
-# returns to the head of the queue, keeping its tokens (preemption by recompute, vLLM's default).
-# Taken in again, it feeds its prompt and its answer so far again, under the same prompt budget, and
-# samples its next token where it left off: its generator carries on, so its answer is unchanged.
+# Per slot, each slot reserves max_len positions for the longest answer it might give, and most never
+# hold a token. Paged (vLLM's PagedAttention), the cache is a pool of small blocks, and a request's
+# block table lists the blocks that hold its positions, in order: position p lives at offset
+# p % block_size of block block_table[p // block_size]. A request takes a block when its tokens reach
+# one and gives its blocks back when it leaves: n_slots only says how many requests step together,
+# the pool how many positions they hold. The mask does not change: it speaks of positions, and the
+# block table only says where a position's keys live (model.attend_packed writes through it,
+# model.slot_positions reads through it). When a step needs a block and none is free, the request
+# admitted last gives its blocks back and returns to the head of the queue with its tokens
+# (preemption by recompute, vLLM's default): taken in again, it feeds its prompt and its answer so far
+# again, under the same prompt budget, and its generator carries on, so its answer is unchanged.
 
 
 class BlockPool:
@@ -573,10 +572,10 @@ class BlockPool:
 
     def make_room(self, work, belt, waiting, cache, prefill_chunk):
         """Take the blocks that the step's work needs -> (the work, the request indices preempted).
-        While too few are free, the request admitted last is preempted: its blocks are wiped and go
-        back, it returns to the head of the queue with its tokens, and the step is planned again
-        without it. The first admitted is never preempted: the input checks saw to it that the pool
-        holds any one request's whole sequence."""
+        While too few are free, the request admitted last is preempted, and the step planned again
+        without it: even one that holds no block yet (its prompt waits for the budget) gives way, at
+        no cost, so that an older request never waits behind a newer one. The first admitted never
+        gives way: the input checks saw to it that the pool holds any one request's whole sequence."""
         preempted = []
         while self.n_blocks_due(work) > len(self.free_blocks):
             victim = self.holders[-1]
@@ -705,13 +704,13 @@ def check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_c
             top_k=checked_int(r.top_k, f"requests[{i}].top_k", 1, may_be_none=True),
             seed=checked_int(r.seed, f"requests[{i}].seed", *SEED_RANGE, may_be_none=True),
             arrival=checked_int(r.arrival, f"requests[{i}].arrival", 0)))
-        n_blocks = math.ceil(min(len(prompt) + checked[-1].max_new_tokens, max_len) / kv_block_size)
-        if kv_blocks is not None and n_blocks > kv_blocks:  # alone, and still out of blocks: it could never finish
+        n_needed = math.ceil(min(len(prompt) + checked[-1].max_new_tokens, max_len) / kv_block_size)
+        if kv_blocks is not None and n_needed > kv_blocks:  # alone, and still out of blocks: it could never finish
             raise ValueError(f"kv_blocks={kv_blocks} cannot hold requests[{i}]'s whole sequence (its prompt and "
-                             f"max_new_tokens, at most max_len): it needs {n_blocks} blocks of {kv_block_size} positions")
-    paged = kv_blocks is not None  # then the cache is kv_blocks blocks of kv_block_size, not n_slots of max_len
-    check_cache_fits(model.config, kv_blocks if paged else n_slots, kv_block_size if paged else max_len, device,
-                     model.lm_head.weight.dtype, unit="blocks" if paged else "slots")  # model.py
+                             f"max_new_tokens, at most max_len): it needs {n_needed} blocks of {kv_block_size} "
+                             f"positions")
+    shape = (n_slots, max_len, "slots") if kv_blocks is None else (kv_blocks, kv_block_size, "blocks")  # the cache's
+    check_cache_fits(model.config, *shape[:2], device, model.lm_head.weight.dtype, unit=shape[2])  # model.py
     return checked
 
 
@@ -743,8 +742,7 @@ LEGEND = {  # each figure of summarize(), in the table's order, and what it coun
                               "(disaggregated: also waiting for the prefill worker)",
     "KV moved (MB / ms)": "disaggregated: keys and values the prefill worker copied into decode slots, and "
                           "the seconds its copies took",
-    "KV cache in use": "cache positions holding a token, as a share of all the cache has (per slot, n_slots x "
-                       "max_len; paged, the pool's): mean / peak over the steps",
+    "KV cache in use": "cache positions holding a token, a share of all the cache has: mean / peak over the steps",
     "preemptions": "paged: requests sent back to the queue for their blocks, to feed prompt and answer again",
 }
 
@@ -975,9 +973,6 @@ class Shown:
     reports: dict  # {run name: its StepReports, without logits; each keeps its PackedStep}
     tokenizer: object  # tiktoken's GPT-2 encoding, or None: the prompts were random tokens
 
-    def panels(self):  # tools/belt_svg.py's groups: one, a panel per run
-        return [[(name, n, self.completions[name], self.summaries[name], None) for name, n, *_ in self.runs]]
-
 
 def demo(args):
     """A mixed workload through continuous, then static batching, the belt on screen -> what it ran."""
@@ -1004,42 +999,36 @@ def demo(args):
     requests = [Request(prompt, max_new, args.temperature, args.top_k, seed=args.seed + i,
                         arrival=0 if i < first_wave else 2 * (i - first_wave + 1))
                 for i, (prompt, max_new) in enumerate(zip(prompts, lengths))]
-    # Disaggregated, the continuous run's prompts go to the worker, whole unless told otherwise.
+    # Disaggregated, the continuous run's prompts go to the worker, whole unless told otherwise. Paged
+    # (Part 3; refused disaggregated, as generate refuses it), the second run is per slot in the same memory.
     prefill_chunk = args.prefill_chunk or DEMO_PREFILL_CHUNK
-    if args.kv_blocks:  # Part 3: paged, against as many slots of max_len as the pool's memory makes
-        return demo_paged(args, requests, prefill_chunk, tokenizer, model)
-    name = "disaggregated" if args.disaggregate else "continuous"
+    name = "paged" if args.kv_blocks else "disaggregated" if args.disaggregate else "continuous"
     runs = [(name, args.slots, "continuous", args.prefill_chunk if args.disaggregate else prefill_chunk,
-             args.disaggregate, None), ("static", args.slots, "static", prefill_chunk, False, None)]
+             args.disaggregate, args.kv_blocks)]
+    n_positions, max_len = (args.kv_blocks or 0) * args.kv_block_size, args.max_len or model.config.block_size
+    if not args.kv_blocks:
+        runs.append(("static", args.slots, "static", prefill_chunk, False, None))
+    elif n_positions >= max_len:  # as many slots of max_len as the pool's positions make
+        runs.append(("per slot", n_positions // max_len, "continuous", prefill_chunk, False, None))
     summaries, completions, reports = run_all(model, requests, runs, args, EOT, show_belt=not args.quiet)
     if tokenizer:
         print_texts(tokenizer, requests, completions[name])
     print_table(summaries, legend=True)
-    cont, stat = summaries[name], summaries["static"]
-    print(f"\nThe rows to compare: steps and TTFT. The same {cont['generated tokens']} tokens took "
-          f"{cont['steps']} steps {name}, {stat['steps']} static, and the median request\nwaited "
-          f"{cont['TTFT P50/P99 (steps)'][0]} steps for its first token, against {stat['TTFT P50/P99 (steps)'][0]}: "
-          f"static refills the belt only once the longest answer of its batch is done.")
-    return Shown(requests, runs, completions, summaries, reports, tokenizer)
-
-
-def demo_paged(args, requests, prefill_chunk, tokenizer, model):
-    """--demo --kv-blocks N: the workload paged, then per slot in the same memory -> what it ran."""
-    n_positions, max_len = args.kv_blocks * args.kv_block_size, args.max_len or model.config.block_size
-    # Paged (disaggregated, refused as generate refuses it), then as many slots of max_len as it makes.
-    runs = [("paged", args.slots, "continuous", prefill_chunk, args.disaggregate, args.kv_blocks)]
-    if n_positions >= max_len:
-        runs.append(("per slot", n_positions // max_len, "continuous", prefill_chunk, False, None))
-    summaries, completions, reports = run_all(model, requests, runs, args, EOT, show_belt=not args.quiet)
-    if tokenizer:
-        print_texts(tokenizer, requests, completions["paged"])
-    print_table(summaries, legend=True)
-    print(f"\nThe same {n_positions} cache positions{'' if len(runs) > 1 else f' (per slot: no slot of {max_len})'}:")
-    for (name, n_slots, *_), summary in zip(runs, summaries.values()):
-        at_once = max(report.n_running for report in reports[name])
-        print(f"  {name}, {n_slots} slot{'s' * (n_slots > 1)}: up to {at_once} requests made a token in one step; "
-              f"{summary['steps']} steps, median TTFT {summary['TTFT P50/P99 (steps)'][0]} steps, "
-              f"{summary['preemptions']} preemptions")
+    if args.kv_blocks:
+        no_slot = "" if len(runs) > 1 else f" (per slot: no slot of {max_len})"
+        print(f"\nThe same {n_positions} cache positions{no_slot}:")
+        for (run_name, n_slots, *_), summary in zip(runs, summaries.values()):
+            print(f"  {run_name}, {n_slots} slot{'s' * (n_slots > 1)}: up to "
+                  f"{max(report.n_running for report in reports[run_name])} requests made a token in one step; "
+                  f"{summary['steps']} steps, median TTFT {summary['TTFT P50/P99 (steps)'][0]} steps, "
+                  f"{summary['preemptions']} preemptions")
+    else:
+        cont, stat = summaries[name], summaries["static"]
+        print(f"\nThe rows to compare: steps and TTFT. The same {cont['generated tokens']} tokens took "
+              f"{cont['steps']} steps {name}, {stat['steps']} static, and the median request\nwaited "
+              f"{cont['TTFT P50/P99 (steps)'][0]} steps for its first token, against "
+              f"{stat['TTFT P50/P99 (steps)'][0]}: static refills the belt only once the longest answer of its "
+              f"batch is done.")
     return Shown(requests, runs, completions, summaries, reports, tokenizer)
 
 

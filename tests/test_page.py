@@ -2,9 +2,11 @@
 The step made visible: the README's worked step, and the page of tools/explore.py, whose rows, masks
 and events must be the engine's own.
 """
+import contextlib
 import dataclasses
 import html
 import html.parser
+import io
 import json
 import re
 import shutil
@@ -109,6 +111,7 @@ RUNS = {  # name -> generate's options: chunks beside one-token rows; static's p
     "continuous": dict(n_slots=3, policy="continuous", prefill_chunk=5),
     "static": dict(n_slots=3, policy="static", prefill_chunk=5),
     "disaggregated": dict(n_slots=3, policy="continuous", prefill_chunk=None, disaggregate=True),
+    "paged": dict(n_slots=3, policy="continuous", prefill_chunk=5, kv_blocks=4, kv_block_size=8),  # preempts
 }
 
 
@@ -117,7 +120,8 @@ def on_host(packed):
     return PackedStep(packed.tokens.cpu().clone(), packed.positions.cpu().clone(), packed.slots.cpu().clone(),
                       packed.n_one_token, packed.one_token_mask.cpu().clone(),
                       [(rows, slot, mask.cpu().clone()) for rows, slot, mask in packed.chunks],
-                      packed.logit_rows.cpu().clone())
+                      packed.logit_rows.cpu().clone(),
+                      None if packed.block_tables is None else packed.block_tables.cpu().clone())
 
 
 FORWARD_PACKED = model_py.GPT.forward_packed  # the real one, before any test wraps it
@@ -142,7 +146,8 @@ def explored(monkeypatch, name):
     requests, reports = random_workload(seed=3, n_requests=7), []
     calls = record_forwards(monkeypatch)
     completions = generate(tiny_gpt(), requests, max_len=MAX_LEN, eos_id=None, on_step=reports.append, **options)
-    run = (name, options["n_slots"], options["policy"], options["prefill_chunk"], options.get("disaggregate", False))
+    run = (name, options["n_slots"], options["policy"], options["prefill_chunk"], options.get("disaggregate", False),
+           options.get("kv_blocks"))
     return explore.run_data(run, requests, completions, reports), reports, calls
 
 
@@ -230,6 +235,27 @@ def test_page_events_are_the_step_reports(explored_runs, name):
         assert len(step["waiting"]) == report.n_waiting, f"step {report.step}: the queue the page names"
         assert (step["model_s"], step["step_s"]) == (pytest.approx(report.model_s, abs=1e-5),
                                                      pytest.approx(report.step_s, abs=1e-5))
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_page_cache_is_the_step_reports(explored_runs, name):
+    """Every step's cache in the page's data is its StepReport's: who sits in each slot, each slot's
+    positions held and block table, kv_used, the requests preempted; the run's pool (kv_blocks, None per
+    slot) and kv_total. Paged, the tables the forward read through begin with the tables recorded."""
+    data, reports, calls = explored_runs[name]
+    assert (data["kv_blocks"], data["kv_total"]) == (RUNS[name].get("kv_blocks"), reports[0].kv_total)
+    for step, report in zip(data["steps"], reports):
+        assert (step["occupants"], step["n_cached"], step["block_tables"], step["kv_used"], step["preempted"]) == \
+               (report.occupants, report.n_cached, report.block_tables, report.kv_used, report.preempted), step["step"]
+    forwards = [report for report in reports if report.packed is not None]
+    for report, call in zip(forwards, calls):
+        if call.block_tables is None:
+            assert all(table in ([], [slot]) for slot, table in enumerate(report.block_tables)), report.step
+        else:
+            assert all(call.block_tables[slot, :len(table)].tolist() == table
+                       for slot, table in enumerate(report.block_tables)), report.step
+    if name == "paged":
+        assert sum(len(step["preempted"]) for step in data["steps"]) >= 2, "no preemption on the page"
 
 
 def leaks(data):
@@ -483,10 +509,11 @@ def test_every_field_of_the_data_is_drawn(quick_page):
 # What the page draws, pinned in Chromium, on a schedule worked by hand
 #
 # Six requests on two slots (eos_id=None, so each makes exactly max_new_tokens), whose schedule is
-# worked out below, run four ways: continuous, static, disaggregated, and continuous under a mask
-# that sees one position past its own. The page of these four runs is opened once in Chromium, where
-# a probe runs the page's own script again, in a scope of its own, at every step of every run: as
-# written, and once per defect planted (its style or script edited here as text). Each check below
+# worked out below, run five ways: continuous, static, disaggregated, continuous under a mask that
+# sees one position past its own, and paged in a pool so small that a request is preempted. The page
+# of these five runs is opened once in Chromium, where a probe runs the page's own script again, in a
+# scope of its own, at every step of every run: as written, and once per defect planted (its style or
+# script edited here as text). Each check below
 # must pass on the page as written and fail on each defect planted for it. One launch for them all:
 # a launch of Chromium takes a second or more on two cores, a run of the page's script milliseconds.
 
@@ -500,14 +527,24 @@ HAND_WORKED = [(3, 2, 0), (2, 3, 0), (3, 1, 0), (2, 2, 10), (1, 1, 10), (2, 1, 1
 # static: a slot refills only once every slot is free, so C waits for B, F for D:
 #             step 0 |AB| C, step 1 |AB| C, step 2 |.B| C, step 3 |C.| none, step 10 |DE| F, step 11 |D.| F,
 #             step 12 |F.| none
+# paged (Part 3), a pool of 3 blocks of 2 positions, 6 in all (per slot, the two slots reserve 128):
+#             step 0   |AB|  A, B admitted: A's 3 prompt positions take blocks 0, 1; B's 2 take block 2  queue: C
+#             step 1   |A.|  A's token at position 3 fits block 1; B's at 2 needs a block, none is free:
+#                            B, admitted last, is preempted (!B), block 2 freed; A's last token          queue: B C
+#             step 2   |B.|  B back, into slot 0: its prompt and first token again (positions 0-2, blocks
+#                            2, 0) and its second token; C waits: the one free block cannot take its 3   queue: C
+#             step 3   |B.|  B's last token (position 3, block 0)                                         queue: C
+#             step 4   |C.|  C in (blocks 1, 2) and out; step 10 |DE| F, step 11 |DF|, as continuous      queue: none
 CONTINUOUS_QUEUE = {0: "C", 1: "C", 2: "", 10: "F", 11: ""}  # step -> who waits after its admissions
 QUEUES = {"continuous": CONTINUOUS_QUEUE, "broken": CONTINUOUS_QUEUE,  # a mask changes no schedule
-          "static": {0: "C", 1: "C", 2: "C", 3: "", 10: "F", 11: "F", 12: ""}}
+          "static": {0: "C", 1: "C", 2: "C", 3: "", 10: "F", 11: "F", 12: ""},
+          "paged": {0: "C", 1: "BC", 2: "C", 3: "C", 4: "", 10: "F", 11: ""}}
 BY_HAND = {  # name -> generate's options
     "continuous": dict(policy="continuous"),
     "static": dict(policy="static"),
     "disaggregated": dict(policy="continuous", disaggregate=True),
     "broken": dict(policy="continuous"),  # run with sees_one_past_its_own for the mask
+    "paged": dict(policy="continuous", kv_blocks=3, kv_block_size=2),
 }
 EMPTY, GREY, RED = "rgb(243, 243, 243)", "rgb(154, 154, 154)", "rgb(238, 0, 0)"  # a 0; padding's 1; a 1 past its row
 
@@ -527,6 +564,17 @@ PLANTED = {  # a defect: (the style or the script, the text as written, the text
     "the frame at the index": ("script", "+svg.dataset.left + step.step * +svg.dataset.stepWidth",
                                "+svg.dataset.left + index * +svg.dataset.stepWidth"),
     "the queue before admission": ("script", "chips(step.waiting)", "chips([...step.admitted, ...step.waiting])"),
+    "block tables shifted by one": ("script", "Object.assign(blocks[block], {",
+                                    "Object.assign(blocks[(block + 1) % nBlocks], {"),
+    "fill from kv_used": ("script", "step.n_cached[slot] - k * size", "step.kv_used - k * size"),
+    "fill from the table's start": ("script", "step.n_cached[slot] - k * size", "step.n_cached[slot]"),
+    "writes into the table's first block": ("script", "table[Math.floor(row.position / size)]", "table[0]"),
+    "empty painted as held": ("style", ".seg.empty { background: repeating-linear-gradient(135deg, var(--c) 0 2px, "
+                                       "white 2px 6px); }", ".seg.empty { background: var(--c); }"),
+    "freed from this step's tables": ("script", "before.block_tables[before.occupants.indexOf(i)]",
+                                      "step.block_tables[step.occupants.indexOf(i)]"),
+    "free counted in requests": ("script", "<b>${nBlocks - nHeld}</b>", "<b>${nBlocks - nHolders}</b>"),
+    "preemptions left out of the line": ("script", "...finished, ...preempted]", "...finished]"),
     "the worker's prompts during the step": (
         "script", 'const held = step.at_worker.length ? chips(step.at_worker).join("") : "none";',
         'const during = [...step.at_worker, ...step.handed_over];\n'
@@ -535,6 +583,7 @@ PLANTED = {  # a defect: (the style or the script, the text as written, the text
 
 PROBE = """<script>
 const LINKS = __LINKS__, VARIANTS = __VARIANTS__;  // filled in by the fixture below
+let measure = true;  // read the cache's widths too: a layout each link, so only for the page as written
 // The probe: at each link, what the page drew: the step shown, the address, the frames' x, each part
 // of the step's figures with its chips, and each mask cell's data-visible and its colour as painted.
 function look(hash) {
@@ -549,7 +598,20 @@ function look(hash) {
           info: [...document.querySelectorAll("#step-info > span")].map((span) =>
             [span.textContent, [...span.querySelectorAll(".chip")].map((chip) => chip.textContent)]),
           grids: [...document.querySelectorAll("#attention .grid")].map((grid) =>
-            [...grid.querySelectorAll(".qrow")].map((query) => [...query.querySelectorAll(".cell")].map(cell)))};
+            [...grid.querySelectorAll(".qrow")].map((query) => [...query.querySelectorAll(".cell")].map(cell))),
+          captions: [...document.querySelectorAll("#packed .caption")].map((caption) => caption.textContent),
+          blocks: [...document.querySelectorAll("#cache .block")].map((block) => ({
+            block: +block.dataset.block, request: block.dataset.request, slot: block.dataset.slot,
+            fill: +block.dataset.fill, freed: block.dataset.freed, width: measure ? block.clientWidth : null,
+            segments: [...block.querySelectorAll(".seg")].map((segment) => {
+              const painted = getComputedStyle(segment);
+              return [segment.classList[1], +segment.dataset.n, painted.backgroundColor, painted.backgroundImage,
+                      painted.boxShadow, measure ? segment.getBoundingClientRect().width : null];
+            })})),
+          figures: document.querySelector("#cache .kv-figures").textContent,
+          preemption: document.querySelector("#cache .preemption")?.textContent ?? "",
+          tables: [...document.querySelectorAll("#cache .tables > span")].map((span) => [+span.dataset.slot,
+                                                                                         span.textContent])};
 }
 // Each request's colour, as the browser paints it.
 const probe = document.body.appendChild(document.createElement("i"));
@@ -563,6 +625,7 @@ const colours = JSON.parse(document.getElementById("nanobatch-run").textContent)
 const looked = {};
 for (const [name, [style, script]] of Object.entries(VARIANTS)) {
   document.querySelector("style").textContent = style;
+  measure = name === "as written";
   const address = {hash: ""}, history = {replaceState: (state, title, hash) => { address.hash = hash; }};
   try {
     looked[name] = new Function("LINKS", "look", "location", "history", script + `
@@ -590,7 +653,8 @@ def run_by_hand(name):
             monkeypatch.setattr(nanobatch, "attention_mask", sees_one_past_its_own)
         completions = generate(tiny_gpt(), hand_worked_requests(), n_slots=2, eos_id=None, on_step=reports.append,
                                **options)
-    return (name, 2, options["policy"], None, options.get("disaggregate", False)), completions, reports
+    run = (name, 2, options["policy"], None, options.get("disaggregate", False), options.get("kv_blocks"))
+    return run, completions, reports
 
 
 def probe_links(data):
@@ -602,7 +666,7 @@ def probe_links(data):
 
 @pytest.fixture(scope="module")
 def by_hand():
-    """BY_HAND's four runs, as nanobatch.Shown holds them, and their page -> a namespace: shown, page, data."""
+    """BY_HAND's five runs, as nanobatch.Shown holds them, and their page -> a namespace: shown, page, data."""
     requests, runs, completions, reports = hand_worked_requests(), [], {}, {}
     for name in BY_HAND:
         run, completions[name], reports[name] = run_by_hand(name)
@@ -692,7 +756,7 @@ def check_cells(probed, looks):
 
 
 def test_mask_cells_are_painted_as_their_bits(probed):
-    """At every step of the four runs, every cell is painted as its data-visible says. Planted: the
+    """At every step of the five runs, every cell is painted as its data-visible says. Planted: the
     style forgets to colour a 1; the script paints a cell from the row's position, not from its bit."""
     check_planted(check_cells, probed, "a 1 painted as a 0", "cells painted from positions")
 
@@ -729,9 +793,9 @@ def check_frames(probed, looks):
     belts = dict(re.findall(r'<div class="belt" data-run="([^"]*)">(.*?)</div>', probed.page, re.S))
     for (link, run, step), look in zip(probed.links, looks):
         stays = [attributes(rect) for rect in re.findall(r'<rect class="stay"[^>]*>', belts[run["name"]])]
-        columns = [float(stay["x"]) + (step["step"] - int(stay["data-admit"])) * float(stay["width"]) /
-                   (int(stay["data-finish"]) - int(stay["data-admit"]) + 1)
-                   for stay in stays if int(stay["data-admit"]) <= step["step"] <= int(stay["data-finish"])]
+        columns = [float(stay["x"]) + (step["step"] - int(stay["data-first"])) * float(stay["width"]) /
+                   (int(stay["data-last"]) - int(stay["data-first"]) + 1)
+                   for stay in stays if int(stay["data-first"]) <= step["step"] <= int(stay["data-last"])]
         assert columns, f"{link}: no stay covers the step"
         n_frames = 2 if run["disaggregate"] else 1
         assert len(look["frames"]) == n_frames, f"{link}: {len(look['frames'])} frames"
@@ -809,6 +873,132 @@ def test_the_workers_lane_is_what_it_held(by_hand):
     planted = dataclasses.replace(shown, completions={**shown.completions, "disaggregated": late})
     with pytest.raises(AssertionError):
         check_lane(explore.page_html(planted), reports)
+
+
+def recorded_cache(run, report):
+    """The cache a StepReport recorded, worked out here on its own -> {block: (its request, its slot, its
+    fill, [(kind, request)] a cell per position)}: holders and fill from the block tables and n_cached,
+    the positions written from the PackedStep the forward ran on, through its own block_tables (None,
+    per slot: slot s is block s)."""
+    n_blocks = run["kv_blocks"] or run["n_slots"]
+    size = report.kv_total // n_blocks
+    blocks = {block: (None, None, 0, [("free", None)] * size) for block in range(n_blocks)}
+    for slot, table in enumerate(report.block_tables):
+        i = report.occupants[slot]
+        for k, block in enumerate(table):
+            fill = min(size, max(0, report.n_cached[slot] - k * size))
+            blocks[block] = (i, slot, fill, [("held", i)] * fill + [("empty", i)] * (size - fill))
+    if report.packed is not None:
+        tables = report.packed.block_tables
+        for slot, position in zip(report.packed.slots.tolist(), report.packed.positions.tolist()):
+            block = slot if tables is None else int(tables[slot, position // size])
+            blocks[block][3][position % size] = ("written", report.occupants[slot])  # None: static's padding
+    return blocks
+
+
+def painted_cells(look_block, probed):
+    """A block as the browser painted it -> [(kind, colour)] a cell per position, each run of cells
+    checked first: as wide as its share of the block (on the page as written: the probe lays out no
+    other variant), and painted as its kind says (held: its request's colour; written: the same,
+    outlined; reserved but empty: hatched in it; free: the empty grey)."""
+    size, cells = sum(n for _, n, *_ in look_block["segments"]), []
+    for kind, n, background, image, shadow, width in look_block["segments"]:
+        if width is not None:
+            assert width == pytest.approx(n / size * look_block["width"], abs=1), f"{n} cells {width:.1f} px wide"
+        colour = re.match(r"[a-z-]+\((?:[^(]*?)(rgba?\([^)]*\))", image)[1] if image != "none" else background
+        if kind == "empty":
+            assert image.startswith("repeating-linear-gradient"), f"reserved but empty, not hatched: {background}"
+        else:
+            assert image == "none", f"{kind} cells painted {image}"
+        assert (shadow != "none") == (kind == "written"), f"{kind} cells, box-shadow {shadow}"
+        cells += [(kind, colour)] * n
+    return cells
+
+
+def check_cache_cells(probed, looks):
+    """At every step of the five runs, every block (per slot: a block a slot) is drawn with its recorded
+    holder and fill, and every cell in the kind and colour that the report and the forward's PackedStep
+    say: held, written this step, reserved but empty, free."""
+    colour_of = lambda i: GREY if i is None else probed.colours[i]  # noqa: E731
+    for (link, run, step), look in zip(probed.links, looks):
+        report = probed.shown.reports[run["name"]][run["steps"].index(step)]
+        want = recorded_cache(run, report)
+        assert [block["block"] for block in look["blocks"]] == list(want), f"{link}: the blocks drawn"
+        for block in look["blocks"]:
+            i, slot, fill, cells = want[block["block"]]
+            where = f"{link}, block {block['block']}"
+            assert (block["request"], block["slot"], block["fill"]) == \
+                   ("" if i is None else str(i), "" if slot is None else str(slot), fill), where
+            drawn = painted_cells(block, probed)
+            assert drawn == [(kind, EMPTY if kind == "free" else colour_of(who)) for kind, who in cells], \
+                f"{where}: drawn {drawn}, recorded {cells}"
+
+
+def test_the_cache_cells_are_the_engines(probed):
+    """Planted: the block tables read one block off; a block filled as far as kv_used reaches, or as far
+    as its holder's n_cached from its table's start; a row's keys drawn in its table's first block; the
+    reserved but empty cells painted as held."""
+    assert any(run["kv_blocks"] for run in probed.data["runs"]) and not all(run["kv_blocks"] for run in
+                                                                          probed.data["runs"])
+    check_planted(check_cache_cells, probed, "block tables shifted by one", "fill from kv_used",
+                  "fill from the table's start", "writes into the table's first block", "empty painted as held")
+
+
+def check_cache_figures(probed, looks):
+    """The cache's figures are the report's: kv_used of kv_total, the positions reserved but empty, the
+    blocks (per slot: slots) free; paged, each busy slot's block table and positions."""
+    for (link, run, step), look in zip(probed.links, looks):
+        report = probed.shown.reports[run["name"]][run["steps"].index(step)]
+        n_blocks = run["kv_blocks"] or run["n_slots"]
+        n_held, unit = sum(map(len, report.block_tables)), "block" if run["kv_blocks"] else "slot"
+        wanted = [f"in use: {report.kv_used} of {report.kv_total} positions hold a token",
+                  f"{(n_empty := n_held * report.kv_total // n_blocks - report.kv_used)} "
+                  f"position{'' if n_empty == 1 else 's'} reserved but empty",
+                  f"free: {n_blocks - n_held} of {n_blocks} {unit}{'' if n_blocks == 1 else 's'}"]
+        assert all(text in look["figures"] for text in wanted), f"{link}: {look['figures']!r}, not {wanted}"
+        tables = [(slot, f"{report.n_cached[slot]} positions, block_table [{', '.join(map(str, table))}]")
+                  for slot, table in enumerate(report.block_tables) if table] if run["kv_blocks"] else []
+        assert [(slot, text[-len(want):]) for (slot, text), (_, want) in zip(look["tables"], tables)] == tables \
+            and len(look["tables"]) == len(tables), f"{link}: the block tables drawn {look['tables']}"
+
+
+def test_the_cache_figures_are_the_engines(probed):
+    """Planted: the blocks free counted as the blocks less the requests holding some."""
+    check_planted(check_cache_figures, probed, "free counted in requests")
+
+
+def check_preemptions(probed, looks):
+    """A preemption shows where the engine printed it, in the step's line (print_step's, word for word),
+    and in the cache: a line naming each request preempted and the blocks its table listed a step
+    before, those blocks outlined; no outline, and no such line, at a step without one."""
+    for (link, run, step), look in zip(probed.links, looks):
+        index = run["steps"].index(step)
+        reports = probed.shown.reports[run["name"]]
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            nanobatch.print_step(reports[index])
+        assert look["info"][0][0].split() == printed.getvalue().split(), f"{link}: the line the engine printed"
+        freed = {}
+        for i in reports[index].preempted:  # preempted in this step: gone from its occupants
+            table = reports[index - 1].block_tables[reports[index - 1].occupants.index(i)]
+            freed.update((block, str(i)) for block in table)
+            blocks = f"its block{'' if len(table) == 1 else 's'} {', '.join(map(str, table))}" if table else \
+                "no block yet"
+            assert f"!{nanobatch.letter(i)}{blocks}" in look["preemption"], f"{link}: {look['preemption']!r}"
+        assert bool(look["preemption"]) == bool(reports[index].preempted), link
+        assert {block["block"]: block["freed"] for block in look["blocks"] if block["freed"]} == freed, link
+
+
+def test_a_preemption_shows_in_the_line_and_the_cache(probed):
+    """In the paged run worked by hand, B is preempted at step 1, its block 2 freed; back at step 2 in slot 0,
+    its chunk says it feeds its prompt and answer again. Planted: the freed blocks looked up in the step's
+    own tables (where the preempted request is no more); the step's line without its !K."""
+    paged = next(run for run in probed.data["runs"] if run["name"] == "paged")
+    assert [(step["step"], step["preempted"]) for step in paged["steps"] if step["preempted"]] == [(1, [1])]
+    looks = dict(zip([link for link, _, _ in probed.links], probed.looked["as written"]))
+    assert "B's prompt and answer again (preempted at step 1), positions 0-2, into slot 0; all in: its next token" \
+        in " ".join(looks["run=paged&step=2"]["captions"])
+    check_planted(check_preemptions, probed, "freed from this step's tables", "preemptions left out of the line")
 
 
 def test_the_closing_message_names_the_step_it_links(by_hand, tmp_path, monkeypatch, capsys):

@@ -5,10 +5,13 @@ The belt as a picture: an SVG panel per run, steps along x, slots along y.
     python tools/belt_svg.py FILE --prompt TEXT [...]                        your prompts' run
 
 It runs the demo (or your prompts) exactly as nanobatch.py does, the belt on screen, then draws
-FILE. tools/bench.py --svg FILE draws the bench's runs with the same functions.
+FILE from the runs' step reports: a bar per stay, where and as long as StepReport.occupants put the
+request in its slot (Part 3: a preempted request's stay ends early, and it comes back in another).
+tools/bench.py --svg FILE draws the bench's runs with the same functions.
 """
 import argparse
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
 
@@ -19,6 +22,7 @@ SVG_WIDTH, LEFT, RIGHT = 1200, 44, 16  # px: fits a laptop screen; LEFT holds th
 TITLE_H, GAP, STRIP_H, AXIS_H = 26, 6, 24, 30  # px: a panel's title, belt-to-strip gap, strip, axis
 STEP_TIMES_H, SCALE_W = 40, 40  # px: the strip of step durations, and room right of it for its scale
 STEP_COLOUR = "#c0392b"  # a step's duration, red: a stall must stand out
+PREEMPTED_COLOUR = "#7b0000"  # the end of a stay cut by a preemption (Part 3): dark red, not a step's red
 HATCH = ('<pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform='
          '"rotate(45)"><rect width="3" height="6" fill="white" fill-opacity="0.6"/></pattern>')
 
@@ -52,24 +56,73 @@ def every(px_per_unit, min_gap_px, choices):
     return next((c for c in choices if c * px_per_unit >= min_gap_px), choices[-1])
 
 
-def stay_svg(i, c, step_w, row_h):
-    """Request i's stay in its slot: a bar from its admit step to its last token, the steps before its
-    first token hatched over (its prompt not all in the cache yet: it may wait for the prompt budget, or
-    for the worker, before any of it goes in), its letter if the bar has room for one, and a tooltip."""
-    x, y, height = LEFT + c.admit_step * step_w, TITLE_H + c.slot * row_h, row_h - 1  # 1 px between rows
-    width, n_prefill_steps = (c.finish_step - c.admit_step + 1) * step_w, c.first_token_step - c.admit_step
-    n_tokens = len(c.tokens)
-    tip = (f"request {letter(i)}, slot {c.slot}: steps {c.admit_step}-{c.finish_step}, "
-           f"{n_tokens} token{'' if n_tokens == 1 else 's'}")
-    if n_prefill_steps:  # in its slot, but its prompt not all in the cache: waiting for the budget or the worker
-        tip += f"; no token yet in steps {c.admit_step}-{c.first_token_step - 1}: its prompt not all in"
+@dataclass
+class Stay:
+    """A request's stay in a slot, as the step reports recorded it: the steps, one after another, in
+    which StepReport.occupants put it in that slot. Preempted (Part 3), a request leaves its slot
+    before its last token, and a later stay, maybe in another slot, takes it in again."""
+    request: int  # its index in the caller's list
+    slot: int
+    steps: list = field(default_factory=list)  # [(step, its character in the belt: '~' no token yet)]
+    preempted_at: int | None = None  # the step whose report preempted it, ending this stay (Part 3)
+    is_comeback: bool = False  # a stay after a preemption: its '~' steps feed its prompt and answer again
+
+    @property
+    def first(self):
+        return self.steps[0][0]
+
+    @property
+    def last(self):
+        return self.steps[-1][0]
+
+
+def stays(reports):
+    """Every stay on the belt, from the step reports' occupants and belts -> [Stay], by request, then
+    step. Reports come one a step while anyone is on the belt (the clock jumps only over an empty
+    one), so a stay is a run of consecutive reports with the same occupant in the same slot; a
+    preempted request is gone from occupants in the report that preempts it."""
+    in_slot, latest, done = {}, {}, []  # slot -> the stay in it; request -> its latest stay
+    for report in reports:
+        for slot, i in enumerate(report.occupants):
+            if slot in in_slot and in_slot[slot].request != i:  # its occupant left (or was preempted)
+                done.append(in_slot.pop(slot))
+            if i is not None and slot not in in_slot:  # taken in: a new stay
+                in_slot[slot] = Stay(i, slot, is_comeback=i in latest)
+                latest[i] = in_slot[slot]
+            if i is not None:
+                in_slot[slot].steps.append((report.step, report.belt[slot]))
+        for i in report.preempted:
+            latest[i].preempted_at = report.step
+    return sorted(done + list(in_slot.values()), key=lambda stay: (stay.request, stay.first))
+
+
+def stay_svg(stay, step_w, row_h):
+    """One stay: a bar from its first step to its last, the steps with no token yet hatched over (its
+    prompt not all in the cache: it may wait for the prompt budget, or for the worker, before any of
+    it goes in; back after a preemption, its prompt and answer go in again), a dark red edge where it
+    was preempted, its letter if the bar has room for one, and a tooltip."""
+    i, slot, first, last = stay.request, stay.slot, stay.first, stay.last
+    x, y, height = LEFT + first * step_w, TITLE_H + slot * row_h, row_h - 1  # 1 px between rows
+    width = (last - first + 1) * step_w
+    hatched = [step for step, character in stay.steps if character == "~"]  # its first steps: no token yet
+    n_tokens = len(stay.steps) - len(hatched)  # a token in every other step of the stay
+    tip = f"request {letter(i)}, slot {slot}: steps {first}-{last}, {n_tokens} token{'' if n_tokens == 1 else 's'}"
+    if hatched:  # in its slot, its prompt (and, back after a preemption, its answer) not all in the cache
+        what = "its prompt and answer going in again" if stay.is_comeback else "its prompt not all in"
+        tip += f"; no token yet in steps {hatched[0]}-{hatched[-1]}: {what}"
+    if stay.preempted_at is not None:
+        tip += f"; preempted at step {stay.preempted_at}: its blocks freed, back to the head of the queue"
     parts = [tag("title", escape(tip)),
-             tag("rect", class_="stay", data_request=i, data_slot=c.slot, data_admit=c.admit_step,
-                 data_finish=c.finish_step, x=x, y=y, width=width, height=height, fill=colour(i),
+             tag("rect", class_="stay", data_request=i, data_slot=slot, data_first=first, data_last=last,
+                 x=x, y=y, width=width, height=height, fill=colour(i),
                  stroke="white", stroke_width=0.5)]  # the white edge parts two stays that touch
-    if n_prefill_steps:
-        parts.append(tag("rect", class_="prefill", data_request=i, x=x, y=y, width=n_prefill_steps * step_w,
-                         height=height, fill="url(#hatch)"))
+    if hatched:
+        parts.append(tag("rect", class_="prefill", data_request=i, x=LEFT + hatched[0] * step_w, y=y,
+                         width=len(hatched) * step_w, height=height, fill="url(#hatch)"))
+    if stay.preempted_at is not None:  # the bar's right end, over its last step
+        parts.append(tag("rect", class_="preempted", data_request=i, data_step=stay.preempted_at,
+                         x=x + width - min(3, width / 2), y=y, width=min(3, width / 2), height=height,
+                         fill=PREEMPTED_COLOUR))
     font_px = min(12, row_h - 4)
     if font_px >= 7 and width >= font_px:  # 64 slots, or a 1-step stay: colour and tooltip must do
         parts.append(tag("text", letter(i), x=x + width / 2, y=y + height / 2, font_size=font_px,
@@ -77,12 +130,12 @@ def stay_svg(i, c, step_w, row_h):
     return tag("g", "".join(parts))
 
 
-def panel_svg(title, n_slots, completions, summary, step_times, step_w, n_axis_steps, longest_s, top):
-    """One run, drawn from y = top down: its title, a belt of n_slots rows, the occupancy strip, the
-    step durations if step_times are given ([(step, seconds, whether a request decoded in it)], a
-    bar each, longest_s the full height), and the step axis -> (its SVG, where the next begins)."""
-    done = [(i, c) for i, c in enumerate(completions) if c is not None]  # None: did not finish
-    n_steps = max((c.finish_step + 1 for _, c in done), default=0)
+def panel_svg(title, n_slots, reports, summary, step_times, step_w, n_axis_steps, longest_s, top):
+    """One run, drawn from y = top down: its title, a belt of n_slots rows, a bar per stay (from its
+    step reports: stays()), the occupancy strip, the step durations if step_times are given ([(step,
+    seconds, whether a request decoded in it)], a bar each, longest_s the full height), and the step
+    axis -> (its SVG, where the next begins)."""
+    n_steps = reports[-1].step + 1 if reports else 0
     row_h = min(22, max(6, 360 / n_slots))  # 8 slots: roomy rows; 64: thin ones, 384 px in all
     belt_h = n_slots * row_h
     heading = (f"{title}, {n_slots} slots: {summary['steps']} steps, {summary['tokens/s']:.1f} tokens/s, "
@@ -93,13 +146,14 @@ def panel_svg(title, n_slots, completions, summary, step_times, step_w, n_axis_s
              tag("rect", x=LEFT, y=TITLE_H, width=n_steps * step_w, height=belt_h, fill="#eee")]  # idle
     parts += [margin_label(slot, TITLE_H + (slot + 0.5) * row_h)
               for slot in range(0, n_slots, every(row_h, 14, (1, 2, 4, 8, 16)))]
-    parts += [stay_svg(i, c, step_w, row_h) for i, c in done]
+    parts += [stay_svg(stay, step_w, row_h) for stay in stays(reports)]
     # The strip: at each step, the share of slots holding a request, prefilling or decoding.
     strip_top = TITLE_H + belt_h + GAP
     parts += [margin_label("busy", strip_top + STRIP_H / 2),
               tag("rect", x=LEFT, y=strip_top, width=n_steps * step_w, height=STRIP_H, fill="#eee")]
-    for step in range(n_steps):
-        bar_h = STRIP_H * sum(c.admit_step <= step <= c.finish_step for _, c in done) / n_slots
+    n_busy = {report.step: sum(i is not None for i in report.occupants) for report in reports}
+    for step in range(n_steps):  # 0 where the clock jumped: no report, an empty belt
+        bar_h = STRIP_H * n_busy.get(step, 0) / n_slots
         parts.append(tag("rect", class_="occupancy", x=LEFT + step * step_w, y=strip_top + STRIP_H - bar_h,
                          width=step_w, height=bar_h, fill="#666", shape_rendering="crispEdges"))
     # The step durations: a bar per step, so that a stall stands out.
@@ -126,11 +180,14 @@ def panel_svg(title, n_slots, completions, summary, step_times, step_w, n_axis_s
                transform=f"translate(0, {top})"), top + axis_y + AXIS_H
 
 
-def legend_svg(has_step_times):
+def legend_svg(has_step_times, has_preemptions):
     """Above the panels, what the marks mean, on as many lines as it takes -> (its SVG, its height)."""
     keys = [([colour(2)], "a request in its slot, with its letter (hover over it: details)"),
-            ([colour(2), "url(#hatch)"], "no token yet: its prompt not all in"),
+            ([colour(2), "url(#hatch)"], "no token yet: its prompt not all in" +
+             (" (back after a preemption: its prompt and answer)" if has_preemptions else "")),
             (["#eee"], "an idle slot"), (["#666"], "busy: the share of slots holding a request")]
+    keys += [([colour(2), PREEMPTED_COLOUR], "preempted: its blocks freed, back to the queue, to feed its prompt "
+                                             "and answer again")] if has_preemptions else []
     keys += [([STEP_COLOUR], "ms: how long each step took"),
              (["#bbb"], "a step in which no request decoded")] if has_step_times else []
     parts, x, y = [], 8, 8
@@ -138,7 +195,9 @@ def legend_svg(has_step_times):
         width = 26 + 6.5 * len(text)  # text at 12 px runs about 6.5 px a character
         if x + width > SVG_WIDTH:
             x, y = 8, y + 22
-        swatch = "".join(tag("rect", width=20, height=14, fill=fill) for fill in fills)
+        swatch = tag("rect", width=20, height=14, fill=fills[0]) + "".join(  # a second fill: hatching, or an edge
+            tag("rect", width=20, height=14, fill=fill) if fill.startswith("url") else
+            tag("rect", x=17, width=3, height=14, fill=fill) for fill in fills[1:])
         parts.append(tag("g", swatch + tag("text", escape(text), x=26, y=11, font_size=12),
                          transform=f"translate({x}, {y})"))
         x += width + 20
@@ -146,18 +205,19 @@ def legend_svg(has_step_times):
 
 
 def belt_svg(*groups):
-    """groups: each a list of panels [(title, n_slots, completions, summary, step_times)], runs of
-    the same requests -> an SVG document, a panel per run, one under the other, each group on one
-    step scale (and one scale of step durations), so that its runs compare by eye. completions: one
-    per request in request order, each with .slot, .admit_step, .first_token_step, .finish_step and
-    .tokens, or None (not finished: not drawn); summary: summarize()'s figures; step_times: None, or
-    [(step, seconds)] for a strip of step durations."""
+    """groups: each a list of panels [(title, n_slots, reports, summary, step_times)], runs of the
+    same requests -> an SVG document, a panel per run, one under the other, each group on one step
+    scale (and one scale of step durations), so that its runs compare by eye. reports: the run's
+    StepReports, each with .step, .occupants, .belt and .preempted: the stays are drawn from them;
+    summary: summarize()'s figures; step_times: None, or [(step, seconds, whether a request decoded)]
+    for a strip of step durations."""
     has_step_times = any(panel[4] for panels in groups for panel in panels)
-    legend, top = legend_svg(has_step_times)
+    has_preemptions = any(report.preempted for panels in groups for panel in panels for report in panel[2])
+    legend, top = legend_svg(has_step_times, has_preemptions)
     parts = [tag("defs", HATCH), legend]
     for g, panels in enumerate(groups):
         top += 4 * GAP if g else 0  # a gap between groups: each has scales of its own
-        n_steps = max((c.finish_step + 1 for _, _, completions, _, _ in panels for c in completions if c), default=1)
+        n_steps = max((reports[-1].step + 1 for _, _, reports, _, _ in panels if reports), default=1)
         durations = [seconds for *_, step_times in panels for _, seconds, _ in step_times or ()]
         width = SVG_WIDTH - LEFT - RIGHT - (SCALE_W if durations else 0)
         step_w = width / n_steps  # px per step: the longest run spans the width
@@ -200,7 +260,8 @@ def run_for_file(argv, prog, description, what):
 def main(argv=None):
     path, _, shown = run_for_file(argv, "tools/belt_svg.py", "The belt drawn into FILE, a panel per run: the "
                                   "demo's (continuous, then static), or your prompts'.", "SVG")
-    write_svg(path, shown.panels())
+    write_svg(path, [[(name, n_slots, shown.reports[name], shown.summaries[name], None)
+                      for name, n_slots, *_ in shown.runs]])  # one group: a panel per run
 
 
 if __name__ == "__main__":

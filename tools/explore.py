@@ -1,5 +1,6 @@
 """
-A real run, step by step, in one page: the belt, each step's packed rows, and the masks they attended under.
+A real run, step by step, in one page: the belt, each step's packed rows, the masks they attended under, and
+the KV cache they left (per slot, a bar per slot; paged, the pool's blocks and the block tables).
 
     python tools/explore.py FILE [the options of nanobatch.py --demo]       the demo's two runs
     python tools/explore.py FILE --prompt TEXT [...]                        your prompts' run
@@ -10,9 +11,9 @@ The page's HTML, style and script are tools/explore.html, a file to read on its 
 records the run and writes its data, and the belts drawn by belt_svg.py, into it.
 FILE#run=continuous&step=12 opens it at step 12; with &predict=1, as a question for a class (its packed
 rows hidden until revealed). The page draws what the engine recorded (each StepReport and the PackedStep
-its forward ran on), never a recomputation, so a broken mask shows as a broken grid. Record once, replay
-in the page: the data sit in <script id="nanobatch-run">, and one function, render(run, step), draws a
-step from them alone.
+its forward ran on), never a recomputation, so a broken mask shows as a broken grid, and a block table
+read one block off as a block in the wrong colour. Record once, replay in the page: the data sit in
+<script id="nanobatch-run">, and one function, render(run, step), draws a step from them alone.
 """
 import json
 import re
@@ -80,10 +81,12 @@ def request_data(i, request):
 
 
 def run_data(run, requests, completions, reports, tokenizer=None):
-    """One run, (name, n_slots, policy, prefill_chunk, disaggregate) as nanobatch.Shown.runs holds it,
-    with its requests, completions and StepReports -> its part of the page's data. Every step's figures
-    come from its StepReport; the completions are drawn in the belt (belts_html), not here."""
-    name, n_slots, policy, prefill_chunk, disaggregate, *_ = run  # Part 3: then kv_blocks, not drawn here
+    """One run, (name, n_slots, policy, prefill_chunk, disaggregate, kv_blocks) as nanobatch.Shown.runs
+    holds it, with its requests, completions and StepReports -> its part of the page's data. Every
+    step's figures come from its StepReport, the cache's too (who sits in each slot, its positions
+    held, its block table: after the forward, before phase 7 retires anyone); the belt is drawn from
+    the reports too (belts_html), the worker's lane from the completions."""
+    name, n_slots, policy, prefill_chunk, disaggregate, kv_blocks = run  # kv_blocks None: per slot (Part 3)
     occupant = occupants(reports)
     steps = []
     for report in reports:
@@ -98,8 +101,13 @@ def run_data(run, requests, completions, reports, tokenizer=None):
             n_prompt_tokens=report.n_prompt_tokens,
             n_one_token=0 if report.packed is None else report.packed.n_one_token,  # D
             cut=None if report.packed is None else report.packed.one_token_mask.size(-1),  # the one-token call's L
-            model_s=round(report.model_s, 5), step_s=round(report.step_s, 5)))
+            model_s=round(report.model_s, 5), step_s=round(report.step_s, 5),
+            # The cache after the step's forward: each slot's request, positions holding a token, and
+            # blocks (per slot, [slot]); the positions written this step are the rows' own
+            occupants=report.occupants, n_cached=report.n_cached, block_tables=report.block_tables,
+            kv_used=report.kv_used, preempted=report.preempted))  # Part 3: sent back to the queue in phase 3
     return dict(name=name, n_slots=n_slots, policy=policy, prefill_chunk=prefill_chunk, disaggregate=disaggregate,
+                kv_blocks=kv_blocks, kv_total=reports[0].kv_total if reports else 0,  # the cache's positions
                 requests=[request_data(i, request) for i, request in enumerate(requests)], steps=steps)
 
 
@@ -150,10 +158,10 @@ def belts_html(shown):
     each. The SVG scales to the window (a viewBox), so no scrollbar at 1000 px."""
     belts = []
     for name, n_slots, _, _, disaggregate, *_ in shown.runs:
-        completions = shown.completions[name]
-        n_steps = max((c.finish_step + 1 for c in completions if c), default=1)
+        completions, reports = shown.completions[name], shown.reports[name]
+        n_steps = reports[-1].step + 1 if reports else 1
         step_w = (SVG_WIDTH - LEFT - RIGHT) / n_steps  # px per step: this run spans the width
-        panel, bottom = panel_svg(name, n_slots, completions, shown.summaries[name], None, step_w, n_steps, 1, 0)
+        panel, bottom = panel_svg(name, n_slots, reports, shown.summaries[name], None, step_w, n_steps, 1, 0)
         # The frame covers the slots and the busy strip, from under the title to above the axis
         frames = [step_frame(TITLE_H, bottom - AXIS_H - 4 - TITLE_H, step_w)]
         lane = ""
