@@ -211,13 +211,13 @@ def attention_mask(positions, L):
     Each row of queries reads one slot only, so requests never see each other, and within a slot
     this one rule is causal attention over exactly the slot's own prefix: what lies beyond (keys a
     previous occupant left, x below) is never seen. The README's worked step: slots 0 and 1 decode,
-    slot 3 takes a one-token prompt, a prompt chunk goes into slot 2; 1 = visible:
+    slot 3 takes a one-token prompt, a prompt chunk goes into slot 2; 1 = visible (rows are slots):
 
       one-token rows: B = S = 4, T = 1, over every      a chunk in slot 2: B = 1, T = 3, the prompt's
       slot's first L = 6 positions (the longest row's)  positions 3..5 (0..2 went in a step before)
       cache position   0 1 2 3 4 5                      cache position   0 1 2 3 4 5
-      slot 0, pos 2    1 1 1 0 0 0   (3.. hold x)              pos 3     1 1 1 1 0 0
-      slot 1, pos 5    1 1 1 1 1 1                             pos 4     1 1 1 1 1 0
+      slot 0, pos 5    1 1 1 1 1 1                             pos 3     1 1 1 1 0 0
+      slot 1, pos 2    1 1 1 0 0 0   (3.. hold x)              pos 4     1 1 1 1 1 0
       slot 2, no row   1 0 0 0 0 0   a dummy                   pos 5     1 1 1 1 1 1
       slot 3, pos 0    1 0 0 0 0 0   (1.. hold x)
     """
@@ -290,14 +290,12 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
     at most this many prompt tokens enter a step (None: whole prompts). on_step: called with a
     StepReport after every step. disaggregate: a PrefillWorker (Part 2) prefills every prompt, the
     loop only decodes; prefill_chunk is then the most prompt tokens in one forward of the worker.
-    kv_blocks: a paged cache (Part 3) of kv_blocks blocks of kv_block_size positions, which all the
-    slots share; None: each slot reserves max_len positions of its own."""
+    kv_blocks: a paged cache (Part 3), that many blocks of kv_block_size positions that all slots share."""
     max_len = model.config.block_size if max_len is None else max_len
     requests = check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk, disaggregate,
                                kv_blocks, kv_block_size)
     device = model.lm_head.weight.device
-    # The one large allocation, reused by every request: per slot, a block of max_len positions for each
-    # slot; paged (Part 3), kv_blocks blocks that the BlockPool hands out.
+    # The one large allocation, reused by every request: a block of max_len a slot, or (Part 3) the pool.
     pool = BlockPool(kv_blocks, kv_block_size) if kv_blocks else None
     cache = model.new_cache(kv_blocks, kv_block_size) if pool else model.new_cache(n_slots, max_len)
     pending = deque(sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i)))
@@ -527,15 +525,14 @@ class PrefillWorker:
 #
 # Per slot, each slot reserves max_len positions for the longest answer it might give, and most never
 # hold a token. Paged (vLLM's PagedAttention), the cache is a pool of small blocks, and a request's
-# block table lists the blocks that hold its positions, in order: position p lives at offset
-# p % block_size of block block_table[p // block_size]. A request takes a block when its tokens reach
-# one and gives its blocks back when it leaves: n_slots only says how many requests step together,
-# the pool how many positions they hold. The mask does not change: it speaks of positions, and the
-# block table only says where a position's keys live (model.attend_packed writes through it,
-# model.slot_positions reads through it). When a step needs a block and none is free, the request
-# admitted last gives its blocks back and returns to the head of the queue with its tokens
-# (preemption by recompute, vLLM's default): taken in again, it feeds its prompt and its answer so far
-# again, under the same prompt budget, and its generator carries on, so its answer is unchanged.
+# block table lists the blocks that hold its positions: position p lives at offset p % block_size of
+# block block_table[p // block_size]. A request takes a block when its tokens reach one and gives its
+# blocks back when it leaves: n_slots only caps how many requests step together. The mask does not
+# change: it speaks of positions, and the block table only says where a position's keys live
+# (model.attend_packed writes through it, model.slot_positions reads through it). When a step needs a
+# block and none is free, the request admitted last gives its blocks back and returns to the head of
+# the queue with its tokens (preemption by recompute, vLLM's default): taken in again, it feeds its
+# prompt and answer again, under the same prompt budget, and its generator carries on where it was.
 
 
 class BlockPool:
@@ -562,9 +559,8 @@ class BlockPool:
         belt[slot] = run
         fits = self.n_blocks_due(plan_step(belt, prefill_chunk)) <= len(self.free_blocks)
         belt[slot] = None
-        if not fits and not self.holders:  # alone on the belt and still short: the pool has lost blocks
-            raise RuntimeError(f"{len(self.free_blocks)} free blocks cannot take request {run.request_index} "
-                               f"alone: blocks were lost, since the input checks saw to it that they could")
+        if not fits and not self.holders:  # alone and still short, though the input checks saw to it: a bug
+            raise RuntimeError(f"{len(self.free_blocks)} free blocks cannot take request {run.request_index} alone")
         if fits:
             self.holders.append(run)
             self.preempted.pop(run.request_index, None)
@@ -1015,8 +1011,7 @@ def demo(args):
         print_texts(tokenizer, requests, completions[name])
     print_table(summaries, legend=True)
     if args.kv_blocks:
-        no_slot = "" if len(runs) > 1 else f" (per slot: no slot of {max_len})"
-        print(f"\nThe same {n_positions} cache positions{no_slot}:")
+        print(f"\nThe same {n_positions} cache positions" + ("" if len(runs) > 1 else f" (no slot of {max_len})") + ":")
         for (run_name, n_slots, *_), summary in zip(runs, summaries.values()):
             print(f"  {run_name}, {n_slots} slot{'s' * (n_slots > 1)}: up to "
                   f"{max(report.n_running for report in reports[run_name])} requests made a token in one step; "

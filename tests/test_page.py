@@ -37,16 +37,17 @@ import explore  # noqa: E402 (tools/, put on the path by tests.common)
 
 
 def worked_step(c_prompt_len=6):
-    """The README's worked step, built by the engine's own plan_step and pack_step: A (slot 0) and B
-    (slot 1) decode, C (slot 2) has 3 of its 6 prompt tokens in, D (slot 3) has a one-token prompt,
-    the prompt budget is 4. Token ids are made up so that the tens name the request (A = 1..., D = 4...)
-    and the units the position."""
+    """The README's worked step, built by the engine's own plan_step and pack_step: A (slot 1) and B
+    (slot 0) decode, C (slot 2) has 3 of its 6 prompt tokens in, D (slot 3) has a one-token prompt,
+    the prompt budget is 4. A sits above B on the belt, so that the packed rows' order (by request)
+    and the one-token mask's (by slot) differ. Token ids are made up so that the tens name the request
+    (A = 1..., D = 4...) and the units the position. -> (the belt, slot by slot, and pack_step's two)"""
     def running(index, slot, prompt, tokens, n_cached, arrival):
         request = Request(prompt, max_new_tokens=10, arrival=arrival)
         return nanobatch.Running(index, request, slot, None, admit_step=0, n_cached=n_cached, tokens=tokens)
 
-    belt = [running(0, 0, [10, 11], [12], n_cached=2, arrival=0),  # A: prompt and first token in but 12, at position 2
-            running(1, 1, [20, 21, 22], [23, 24, 25], n_cached=5, arrival=0),  # B: all in but 25, at position 5
+    belt = [running(1, 0, [20, 21, 22], [23, 24, 25], n_cached=5, arrival=0),  # B: all in but 25, at position 5
+            running(0, 1, [10, 11], [12], n_cached=2, arrival=0),  # A: prompt and first token in but 12, at position 2
             running(2, 2, list(range(30, 30 + c_prompt_len)), [], n_cached=3, arrival=1),  # C: 30..32 went in before
             running(3, 3, [40], [], n_cached=0, arrival=2)]  # D: a one-token prompt, admitted this step
     work = nanobatch.plan_step(belt, prefill_chunk=4)
@@ -104,7 +105,7 @@ def test_readme_worked_step():
     variant = (f"rows `{packed.tokens.tolist()}`, `n_one_token = {packed.n_one_token}`, dummies for slots 2 and 3, "
                f"`logit_rows = {packed.logit_rows.tolist()}`")
     assert variant in " ".join(readme.split()), variant  # the README's lines wrap anywhere
-    assert packed.slots[:packed.n_one_token].tolist() == [0, 1] and [run.request_index for run in to_sample] == [0, 1]
+    assert packed.slots[:packed.n_one_token].tolist() == [1, 0] and [run.request_index for run in to_sample] == [0, 1]
 
 
 RUNS = {  # name -> generate's options: chunks beside one-token rows; static's padding; the worker's steps
