@@ -4,6 +4,7 @@ The benchmark: continuous batching against static and sequential, timed, on seed
     python tools/bench.py                    GPT-2 124M (random weights unless --weights): minutes on a CPU
     python tools/bench.py --quick            a tiny model, in seconds
     python tools/bench.py --svg FILE         and the belt of its runs drawn into FILE
+    python tools/bench.py --paged            only section 4, paged attention: a few minutes on a CPU
 
 1) The main workload: 16 requests per slot, all queued at once, prompts of 4-16 tokens, answers of
    long-tailed lengths, served continuous, static, and sequential (the engine with one slot), then
@@ -11,8 +12,11 @@ The benchmark: continuous batching against static and sequential, timed, on seed
 2) Long prompts: a stream of short requests with four 600-token prompts among them, served with
    whole prompts, in chunks, and disaggregated, with their step durations.
 3) A table of decode steps at 8 to 64 slots, of different lengths: what the attention cut buys.
+4) --paged, on its own (it would add more than half again to the run above): per slot against paged
+   in the same KV memory, on the main workload and on the demo's, and the block tables' price.
 """
 import argparse
+import math
 import random
 import statistics
 import sys
@@ -40,27 +44,21 @@ def bench(args):
         model_py.CALL_COST_IN_KEYS["cpu" if args.device.type == "cpu" else "gpu"] = args.call_cost
     if args.decode_steps:
         return attention_table(model)
-    V, rng = model.config.vocab_size, random.Random(args.seed)
-    n_requests = args.requests or 16 * args.slots  # a steady stream: many more requests than slots
-    lengths = long_tailed(rng, n_requests, mean=16, cap=128)
-    requests = [Request([rng.randrange(V) for _ in range(rng.randint(4, 16))], n,
-                        arrival=int(i / args.arrival_rate) if args.arrival_rate else 0)
-                for i, n in enumerate(lengths)]
-    print(f"bench: {n_requests} requests, prompts of 4-16 tokens, answers of {min(lengths)}-{max(lengths)} "
-          f"(mean {sum(lengths) / n_requests:.1f}) tokens, GPT-2 {model.config.n_layer} layers "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M, {args.device}, {args.dtype}")
-    runs = [("continuous", args.slots, "continuous", args.prefill_chunk, False),
-            ("static", args.slots, "static", args.prefill_chunk, False),
-            ("sequential", 1, "continuous", args.prefill_chunk, False)]
-    runs += [("disaggregated", args.slots, "continuous", args.prefill_chunk, True)] if args.disaggregate else []
+    if args.paged:
+        return paged_attention(model, args)
+    requests = main_workload(model, args, args.slots)
+    runs = [("continuous", args.slots, "continuous", args.prefill_chunk, False, None),
+            ("static", args.slots, "static", args.prefill_chunk, False, None),
+            ("sequential", 1, "continuous", args.prefill_chunk, False, None)]
+    runs += [("disaggregated", args.slots, "continuous", args.prefill_chunk, True, None)] if args.disaggregate else []
     warm_up(model, requests, runs, args)
     # eos_id=None: every answer runs to its drawn length, so real weights see the same workload.
-    summaries, completions, _ = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
+    summaries, _, reports = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
     # The scheduler's efficiency: the same prompts with every answer of the mean length, so that a
     # belt of them never idles. While requests wait, continuous should come close to its rate.
-    mean_length = round(sum(lengths) / n_requests)
+    mean_length = round(sum(r.max_new_tokens for r in requests) / len(requests))
     packable = [Request(r.prompt, mean_length, arrival=r.arrival) for r in requests]
-    packable_run = ("packable", args.slots, "continuous", args.prefill_chunk, False)
+    packable_run = ("packable", args.slots, "continuous", args.prefill_chunk, False, None)
     summaries.update(run_all(model, packable, [packable_run], args, eos_id=None, show_belt=False)[0])
     print_table(summaries, legend=True)
     cont, stat, seq, ideal = (summaries[name] for name in ("continuous", "static", "sequential", "packable"))
@@ -102,7 +100,22 @@ def bench(args):
     if model.config.block_size >= 1024:
         attention_table(model)  # last: its belts of 64 slots hold a cache 8 times the size of 8 slots'
     shown = ["continuous", "static"] + ["disaggregated"] * args.disaggregate
-    return [[(name, args.slots, completions[name], summaries[name], None) for name in shown], long_prompt_panels]
+    return [[(name, args.slots, reports[name], summaries[name], None) for name in shown], long_prompt_panels]
+
+
+def main_workload(model, args, n_slots):
+    """The main workload, printed in a line: 16 requests a slot (or --requests), all queued at step 0
+    (or --arrival-rate), prompts of 4-16 tokens, answers of long-tailed lengths, mean 16, at most 128."""
+    V, rng = model.config.vocab_size, random.Random(args.seed)
+    n_requests = args.requests or 16 * n_slots  # a steady stream: many more requests than slots
+    lengths = long_tailed(rng, n_requests, mean=16, cap=128)
+    requests = [Request([rng.randrange(V) for _ in range(rng.randint(4, 16))], n,
+                        arrival=int(i / args.arrival_rate) if args.arrival_rate else 0)
+                for i, n in enumerate(lengths)]
+    print(f"bench: {n_requests} requests, prompts of 4-16 tokens, answers of {min(lengths)}-{max(lengths)} "
+          f"(mean {sum(lengths) / n_requests:.1f}) tokens, GPT-2 {model.config.n_layer} layers "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M, {args.device}, {args.dtype}")
+    return requests
 
 
 def long_prompts(model, args):
@@ -124,9 +137,9 @@ def long_prompts(model, args):
     print(f"\nlong prompts: {n_requests} requests arriving one every other step, {sum(is_long)} of them with "
           f"{long_len}-token prompts, the rest 4-16; whole prompts, chunks of {chunk}, and disaggregated (whole "
           f"prompts on a prefill worker)")
-    runs = [("whole prompts", args.slots, "continuous", None, False),
-            (f"chunks of {chunk}", args.slots, "continuous", chunk, False),
-            ("disaggregated", args.slots, "continuous", None, True)]
+    runs = [("whole prompts", args.slots, "continuous", None, False, None),
+            (f"chunks of {chunk}", args.slots, "continuous", chunk, False, None),
+            ("disaggregated", args.slots, "continuous", None, True, None)]
     warm_up(model, requests, runs, args)
     summaries, completions, reports = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
     print_table(summaries)
@@ -137,7 +150,7 @@ def long_prompts(model, args):
                         ("tokens/s", lambda summary: summary["tokens/s"])]:
         print(f"{row:24}" + "".join(f"{figure(summary) / figure(whole):>17.2f}x"
                                     for summary in (chunked, disaggregated)))
-    return [(name, args.slots, completions[name], summaries[name], step_times(reports[name], completions[name]))
+    return [(name, args.slots, reports[name], summaries[name], step_times(reports[name], completions[name]))
             for name, *_ in runs]
 
 
@@ -146,9 +159,10 @@ def warm_up(model, requests, runs, args):
     tokens: the first call of a kernel (cuBLAS's set-up, a second GPU's context and weights) must not
     be timed as the work's. The workload is checked first, so that bad input is one line."""
     check_runs(model, requests, runs, args, eos_id=None)
-    for _, n_slots, policy, prefill_chunk, disaggregate in runs:
+    for _, n_slots, policy, prefill_chunk, disaggregate, kv_blocks in runs:
         generate(model, [replace(r, max_new_tokens=2) for r in requests[:2]], n_slots=n_slots, max_len=args.max_len,
-                 eos_id=None, policy=policy, prefill_chunk=prefill_chunk, disaggregate=disaggregate)
+                 eos_id=None, policy=policy, prefill_chunk=prefill_chunk, disaggregate=disaggregate,
+                 kv_blocks=kv_blocks, kv_block_size=args.kv_block_size)
 
 
 def step_times(reports, completions):
@@ -158,17 +172,25 @@ def step_times(reports, completions):
     return [(report.step, report.step_s, report.n_running > first_tokens[report.step]) for report in reports]
 
 
-def time_decode_steps(model, belts, max_len, repeats=5):
+def time_decode_steps(model, belts, max_len, repeats=5, kv_block_size=None):
     """Seconds for one forward of each belt, every slot decoding, slot s of belt b at position
-    belts[b][s], in one cache of max_len positions: the median of `repeats` rounds, each round
-    running every belt once, so that the machine's drift falls on all belts alike."""
+    belts[b][s], in one cache of max_len positions a slot: the median of `repeats` rounds, each round
+    running every belt once, so that the machine's drift falls on all belts alike. kv_block_size:
+    paged (Part 3), the same steps read through block tables, in a pool of the same memory."""
     device, n_slots = model.lm_head.weight.device, len(belts[0])
-    cache = model.new_cache(n_slots, max_len)
+    if kv_block_size is None:
+        cache = model.new_cache(n_slots, max_len)
+    else:
+        cache = model.new_cache(n_slots * math.ceil(max_len / kv_block_size), kv_block_size)
     steps = []
     for positions in belts:
         runs = [Running(slot, Request([0] * position, 2), slot, None, admit_step=0, n_cached=position, tokens=[0])
                 for slot, position in enumerate(positions)]  # each about to feed its first answer token
-        steps.append(pack_step([(run, [0]) for run in runs], [], n_slots, device)[0])
+        # Paged, slot s's b-th block is block b * n_slots + s: as in a pool that many requests have
+        # used, no slot's blocks lie side by side, and each table holds the blocks up to its position.
+        tables = None if kv_block_size is None else [[b * n_slots + slot for b in range(position // kv_block_size + 1)]
+                                                     for slot, position in enumerate(positions)]
+        steps.append(pack_step([(run, [0]) for run in runs], [], n_slots, device, tables)[0])
     seconds = [[] for _ in belts]
     with torch.no_grad():
         for _ in range(1 + repeats):  # the first round warms up
@@ -207,19 +229,213 @@ def attention_table(model):
               f"{ms[1] / ms[0]:>13.2f}x{ms[2] / ms[3]:>14.2f}x", flush=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# 4) Paged attention (nanobatch Part 3): the same KV memory, per slot and paged, side by side
+
+PAGED_ROWS = (4, 8)  # the paged runs' rows, in per-slot slots: more requests at once in the same memory
+N_PASSES = 3  # the main workload's runs, in turn, this many times: enough for a range on a noisy VM
+EXTRA_ROWS = {  # figures from the step reports that summarize() leaves out, in the same table
+    "requests at once": "requests in a slot (decoding, or taking in their prompt): mean / peak over the steps",
+    "reserved holding tokens": "of the positions reserved step by step (per slot: max_len for each slot taken; "
+                               "paged: the blocks taken), the share holding a token",
+    "mean step (ms)": "wall time / steps",
+}
+
+
+def paged_attention(model, args):
+    """Per slot against paged in the same KV memory, in one run. Per slot, --slots slots each reserve
+    max_len positions: a server cannot know how long an answer will be. Paged, the same positions as
+    a pool of blocks, shared by 4 and 8 times as many rows. The ceiling: per slot with as many slots
+    as the most paged rows, each of the memory's share, as if every request's length were known.
+    On the main workload, then the demo's; then decode steps through block tables against the same
+    steps per slot, alternated. -> no panels: --svg does not apply."""
+    max_len, block_size = args.max_len or model.config.block_size, args.kv_block_size
+    n_slots = args.kv_blocks * block_size // max_len if args.kv_blocks else args.slots  # per slot, in that memory
+    if n_slots == 0:
+        nanobatch.fail(f"--kv-blocks {args.kv_blocks} of {block_size} positions hold no slot of max_len={max_len}: "
+                       f"no per-slot run to compare")
+    n_blocks = args.kv_blocks or n_slots * max_len // block_size
+    rows = [factor * n_slots for factor in PAGED_ROWS]
+    config = model.config
+    cache_mb = config.n_layer * 2 * n_blocks * block_size * config.n_embd * model.lm_head.weight.element_size() / 1e6
+    print(f"paged: the same KV memory, {n_blocks * block_size} positions ({cache_mb:.0f} MB), per slot as {n_slots} "
+          f"slots of max_len={max_len}, paged as {n_blocks} blocks of {block_size} shared by "
+          f"{' and '.join(map(str, rows))} rows")
+
+    # 1) The main workload, every request queued at once: where more requests at once should pay. The
+    #    runs in turn, N_PASSES times: this VM's speed drifts by 10-30% and more, so each ratio is taken
+    #    within a pass, and shown with its range over the passes.
+    requests = main_workload(model, args, n_slots)
+    known_len = n_blocks * block_size // rows[-1]  # the ceiling's max_len: the memory's share of each slot
+    longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    ceiling = rows[-1] if longest <= known_len else None  # a sequence cut short would be other work
+    passes = [same_memory(model, requests, args, n_slots, max_len, n_blocks, rows, args.prefill_chunk,
+                          (ceiling, known_len)) for _ in range(N_PASSES)]
+    summaries, figures = passes[0]
+    print(f"\nthe first of {N_PASSES} passes (steps, TTFT in steps, requests at once and the cache's use are the "
+          f"same in each), then tokens/s in each pass")
+    print_table(summaries)
+    print_extra_rows(figures)
+    print(f"{'tokens/s, each pass':24}" + "".join(
+        f"{'/'.join(format(pass_[0][name]['tokens/s'], '.0f') for pass_ in passes):>18}" for name in summaries))
+    print_extra_rows({}, legend=True)
+
+    def over_passes(ratio):  # ratio(summaries, figures) of each pass -> its median and range
+        values = [ratio(*pass_) for pass_ in passes]
+        return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f} over {len(values)} passes)"
+
+    per_slot_name, paged_name = f"per slot {n_slots}x{max_len}", f"paged {rows[-1]} rows"
+    print()
+    for name in [f"paged {n} rows" for n in rows]:
+        print(f"tokens/s, the same memory: {name} / {per_slot_name}: " +
+              over_passes(lambda runs, _: runs[name]["tokens/s"] / runs[per_slot_name]["tokens/s"]))
+    if ceiling:
+        known_name = f"per slot {ceiling}x{known_len}"
+        print(f"tokens/s, as if lengths were known: {known_name} / {per_slot_name}: " +
+              over_passes(lambda runs, _: runs[known_name]["tokens/s"] / runs[per_slot_name]["tokens/s"]))
+        # The same rows and, unless paged preempted, the same steps: the block tables' price in whole runs.
+        same = "the same steps" if summaries[known_name]["steps"] == summaries[paged_name]["steps"] else \
+            "OTHER steps: paged preempted"
+        print(f"mean step, {paged_name} / {known_name} ({same}): " +
+              over_passes(lambda _, extra: extra[paged_name]["mean step (ms)"] / extra[known_name]["mean step (ms)"]))
+    else:
+        print(f"per slot as if lengths were known: not run, the longest sequence ({longest} positions) does not "
+              f"fit in {known_len}")
+
+    # 2) The demo's workload (nanobatch.demo's, random prompts): how much of the memory each fills.
+    chunk = args.prefill_chunk or nanobatch.DEMO_PREFILL_CHUNK
+    print(f"\nthe demo's workload: 32 requests, {n_slots + n_slots // 2} at step 0, then one every other step, "
+          f"prompts of 4-40 tokens in chunks of {chunk}, answers of long-tailed lengths (mean 16, at most 64)")
+    summaries, figures = same_memory(model, demo_workload(model, args, n_slots), args, n_slots, max_len, n_blocks,
+                                     rows[-1:], chunk, (None, None))
+    print_table(summaries)
+    print_extra_rows(figures)
+
+    # 3) A decode step through block tables against the same step per slot: the block tables' price.
+    block_table_price(model, sorted({n_slots, rows[-1]}), block_size)
+    if args.quick:
+        print("--quick: on a model this small a step's fixed cost dominates what its rows cost, so more rows "
+              "cost little and these ratios are not GPT-2's. Without --quick: GPT-2 124M.")
+
+
+def same_memory(model, requests, args, n_slots, max_len, n_blocks, rows, prefill_chunk, ceiling):
+    """The requests per slot in n_slots slots of max_len, paged in n_blocks blocks with each of rows,
+    and, where ceiling is (n, known_len) with n not None, per slot in n slots of known_len; each
+    group warmed up, then timed -> ({name: summarize(...)}, {name: EXTRA_ROWS' figures})."""
+    # Per slot, generate takes no block size without a pool: those runs keep the default it expects.
+    per_slot_args = argparse.Namespace(**{**vars(args), "max_len": max_len, "kv_block_size": 16})
+    groups = [(per_slot_args, [(f"per slot {n_slots}x{max_len}", n_slots, "continuous", prefill_chunk, False, None)]),
+              (args, [(f"paged {n} rows", n, "continuous", prefill_chunk, False, n_blocks) for n in rows])]
+    n_known, known_len = ceiling
+    if n_known:
+        known_args = argparse.Namespace(**{**vars(per_slot_args), "max_len": known_len})
+        groups.append((known_args, [(f"per slot {n_known}x{known_len}", n_known, "continuous", prefill_chunk, False,
+                                     None)]))
+    summaries, figures = {}, {}
+    for run_args, runs in groups:
+        warm_up(model, requests, runs, run_args)
+        group, _, reports = run_all(model, requests, runs, run_args, eos_id=None, show_belt=False)
+        summaries.update(group)
+        for name, _, _, _, _, kv_blocks in runs:
+            positions_per_block = run_args.kv_block_size if kv_blocks else run_args.max_len
+            figures[name] = extra_figures(reports[name], positions_per_block, group[name])
+    return summaries, figures
+
+
+def extra_figures(reports, positions_per_block, summary):
+    """EXTRA_ROWS' figures of one run. A block table lists the blocks a request holds: per slot, its
+    slot, a block of max_len positions; paged, blocks of kv_block_size."""
+    at_once = [report.n_running + report.n_prefilling for report in reports]
+    reserved = positions_per_block * sum(len(table) for report in reports for table in report.block_tables)
+    return {"requests at once": (statistics.mean(at_once), max(at_once)),
+            "reserved holding tokens": sum(report.kv_used for report in reports) / reserved,
+            "mean step (ms)": 1e3 * summary["wall time (s)"] / summary["steps"]}
+
+
+def print_extra_rows(figures, legend=False):
+    """EXTRA_ROWS under print_table's, in its columns: {run name: extra_figures(...)}."""
+    def cell(row, value):
+        if isinstance(value, tuple):
+            return " / ".join(cell(row, v) for v in value)
+        if row == "reserved holding tokens":
+            return f"{value:.1%}"  # one decimal: per slot's share is a few percent
+        return str(value) if isinstance(value, int) else f"{value:.{2 if value < 10 else 1 if value < 100 else 0}f}"
+
+    for row in EXTRA_ROWS if figures else []:
+        print(f"{row:24}" + "".join(f"{cell(row, run[row]):>18}" for run in figures.values()))
+    if legend:  # print_table's rows, then these
+        rows = {**nanobatch.LEGEND, **EXTRA_ROWS, "tokens/s, each pass": "tokens/s in each pass, in turn"}
+        print("\n" + "\n".join(f"{row}: {meaning}" for row, meaning in rows.items()))
+
+
+def demo_workload(model, args, n_slots):
+    """nanobatch.demo's workload as it builds it offline (random prompts): 32 requests, a belt and a
+    half at step 0, the rest one every other step; prompts of 4-40 tokens, answers long-tailed, at
+    most 64. Greedy, and no EOS, as the rest of the bench."""
+    n_requests, first_wave = 32, n_slots + n_slots // 2
+    lengths = long_tailed(random.Random(args.seed), n_requests, mean=16, cap=64)
+    rng = random.Random(args.seed + 1)
+    prompts = [[rng.randrange(model.config.vocab_size) for _ in range(rng.randint(4, 40))] for _ in range(n_requests)]
+    return [Request(prompt, n, arrival=0 if i < first_wave else 2 * (i - first_wave + 1))
+            for i, (prompt, n) in enumerate(zip(prompts, lengths))]
+
+
+def block_table_price(model, row_counts, block_size, n_rounds=5):
+    """Decode steps of the same belts per slot and paged (time_decode_steps), every slot decoding,
+    in n_rounds alternated rounds, so that the machine's drift falls on both alike: the ratio of each
+    round, its median and range. Paged, model.slot_positions gathers each slot's blocks into a copy
+    that a per-slot view does not make."""
+    max_len, config, device = model.config.block_size, model.config, model.lm_head.weight.device
+    belts = {"all at 48": lambda n: [48] * n,
+             "spread 50-1000": lambda n: [50 + 950 * slot // max(1, n - 1) for slot in range(n)]}
+    print(f"\ndecode steps through block tables of {block_size} (ms, per slot / paged: medians of {n_rounds} "
+          f"alternated rounds of 5 steps; then paged / per slot: the median and the range of the rounds)")
+    print(f"{'':10}" + "".join(f"{name:>36}" for name in belts))
+    for n_slots in row_counts:
+        try:  # per slot, n_slots x 1024 positions: 4.8 GB at 64 slots of GPT-2 124M in float32
+            model_py.check_cache_fits(config, n_slots, max_len, device, model.lm_head.weight.dtype)
+        except ValueError as e:
+            print(f"{n_slots} rows: not timed, {e}")
+            continue
+        positions = [[length - 1 for length in belt(n_slots)] for belt in belts.values()]
+        per_slot, paged = [], []  # per round, each belt's seconds
+        for _ in range(n_rounds):
+            per_slot.append(time_decode_steps(model, positions, max_len))
+            paged.append(time_decode_steps(model, positions, max_len, kv_block_size=block_size))
+        cells = []
+        for belt in range(len(belts)):
+            ratios = [paged_round[belt] / per_slot_round[belt] for paged_round, per_slot_round in zip(paged, per_slot)]
+            cells.append(f"{1e3 * statistics.median(seconds[belt] for seconds in per_slot):.1f} / "
+                         f"{1e3 * statistics.median(seconds[belt] for seconds in paged):.1f}  "
+                         f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+        print(f"{f'{n_slots} rows':10}" + "".join(f"{cell:>36}" for cell in cells), flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="tools/bench.py", description="continuous vs static vs sequential, timed")
     parser.add_argument("--requests", type=positive(int), metavar="N", help="the main workload's (16 per slot)")
     parser.add_argument("--arrival-rate", type=positive(float), metavar="R", help="requests per step (all at once)")
     parser.add_argument("--call-cost", type=int, metavar="KEYS", help="what one more attention call costs on "
                         "the device, in keys (model.CALL_COST_IN_KEYS: 150 on a CPU, 20,000 on a GPU)")
-    parser.add_argument("--decode-steps", action="store_true", help="only the table of decode steps")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--decode-steps", action="store_true", help="only the table of decode steps")
+    only.add_argument("--paged", action="store_true", help="only section 4: per slot against paged in the same KV "
+                      "memory (--slots slots of --max-len, or --kv-blocks blocks), and the block tables' price")
     parser.add_argument("--svg", metavar="FILE", type=checked_path, help="the belt drawn into FILE: continuous, "
                         "static (and disaggregated), then the long-prompt runs with their step durations")
     typed, args = nanobatch.parse_args(parser, argv, nanobatch.SERVING | {"quick", "weights"})
     ignored = ["slots", "max_len", "prefill_chunk", "disaggregate", "requests", "arrival_rate", "svg"]
     for name in [name for name in ignored if typed.get(name) not in (None, False)] if args.decode_steps else []:
         parser.error(f"--{name.replace('_', '-')} does not apply to --decode-steps, which times its own belts")
+    if args.paged:
+        if args.disaggregate:
+            parser.error("--disaggregate does not apply to --paged: a paged cache takes no prefill worker")
+        if args.svg:
+            parser.error("--svg does not apply to --paged, which draws no belt")
+        if "kv_blocks" in typed and "slots" in typed:
+            parser.error("--paged takes --slots or --kv-blocks, not both: each sets the memory that both caches get")
+    elif "kv_blocks" in typed:  # the other sections' runs reserve per slot
+        parser.error("--kv-blocks applies to --paged only")
     groups = nanobatch.run_cli(bench, args)
     if args.svg:
         write_svg(args.svg, groups)

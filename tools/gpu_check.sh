@@ -51,19 +51,27 @@ for n in "${slots[@]}"; do
       --slots "$n" "${requests[@]}" --svg "$out/bench-$n-slots-$dtype.svg"
   done
 done
+# 3b) The paged section on its own (bench --paged): per slot against paged in the same KV memory, at
+#     the fewer slots, in the 16-bit dtype on a GPU, where more rows should cost little.
+step "bench-paged-${slots[0]}-slots-${dtypes[0]}" 200 "$py" tools/bench.py "${device[@]}" "${quick[@]}" --paged \
+  --dtype "${dtypes[0]}" --slots "${slots[0]}" "${requests[@]}"
 # 4) The table of decode steps, with an attention call costed at 0, 2,000 and 20,000 keys: what the
 #    estimate in model.CALL_COST_IN_KEYS guesses, measured.
 for keys in 0 2000 20000; do
   step "decode-steps-cost-$keys" 90 "$py" tools/bench.py "${device[@]}" "${quick[@]}" --dtype bfloat16 \
     --decode-steps --call-cost "$keys"
 done
-# 5) verify in bfloat16, whole prompts and disaggregated.
+# 5) verify in bfloat16, whole prompts, disaggregated, and paged in a pool of 8 blocks of 16: too few
+#    for 8 slots' requests, so that some are preempted and fed again (5 times among --quick's 12 requests,
+#    19 among the 16 without).
 step verify-bfloat16 150 "$py" tools/verify.py "${device[@]}" "${quick[@]}" --dtype bfloat16
 step verify-bfloat16-disaggregated 150 "$py" tools/verify.py "${device[@]}" "${quick[@]}" --dtype bfloat16 \
   --disaggregate
-# 6) The demo, quick and full, disaggregated.
+step verify-bfloat16-paged 150 "$py" tools/verify.py "${device[@]}" "${quick[@]}" --dtype bfloat16 --kv-blocks 8
+# 6) The demo, quick and full, disaggregated; then paged, 64 slots sharing what 8 slots of 1,024 hold.
 step demo-quick-disaggregated 60 "$py" nanobatch.py --demo --quick --disaggregate "${device[@]}"
 step demo-disaggregated 120 "$py" nanobatch.py --demo --disaggregate "${device[@]}" "${quick[@]}"
+step demo-paged 120 "$py" nanobatch.py --demo --quiet --kv-blocks 512 --slots 64 "${device[@]}" "${quick[@]}"
 
 cat "$out/summary.txt"
 ! grep -qv '^[^ ]* *ok ' "$out/summary.txt"  # the exit status: 0 only if every step was ok
