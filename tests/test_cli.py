@@ -78,9 +78,10 @@ def test_gpu_check_on_the_cpu(tmp_path):
     result = subprocess.run(["bash", "tools/gpu_check.sh", str(out), "--cpu"], cwd=REPO, capture_output=True,
                             text=True, timeout=300, env={**cli_env(tmp_path), "PYTHON": sys.executable})
     summary = (out / "summary.txt").read_text().splitlines()
-    steps = ["machine", "pytest", "bench-2-slots-float32", "bench-4-slots-float32", "decode-steps-cost-0",
-             "decode-steps-cost-2000", "decode-steps-cost-20000", "verify-bfloat16", "verify-bfloat16-disaggregated",
-             "demo-quick-disaggregated", "demo-disaggregated"]
+    steps = ["machine", "pytest", "bench-2-slots-float32", "bench-4-slots-float32", "bench-paged-2-slots-float32",
+             "decode-steps-cost-0", "decode-steps-cost-2000", "decode-steps-cost-20000", "verify-bfloat16",
+             "verify-bfloat16-disaggregated", "verify-bfloat16-paged", "demo-quick-disaggregated",
+             "demo-disaggregated", "demo-paged"]
     assert [line.split()[0] for line in summary] == steps and result.stdout.splitlines() == summary, result.stdout
     assert result.returncode == 0 and all(line.split()[1] == "ok" for line in summary), summary
     assert all((out / f"{name}.txt").stat().st_size > 0 for name in steps)
@@ -91,6 +92,8 @@ def test_gpu_check_on_the_cpu(tmp_path):
     panels = drawn_panels((out / "bench-2-slots-float32.svg").read_text())
     assert [sorted(bars) for _, bars, _ in panels] == [list(range(16))] * 5, "not one bar per request per panel"
     assert "12 answers: " in (out / "verify-bfloat16-disaggregated.txt").read_text()
+    assert "12 answers: " in (out / "verify-bfloat16-paged.txt").read_text()
+    assert "paged, 64 slots: " in (out / "demo-paged.txt").read_text()
     demo = (out / "demo-quick-disaggregated.txt").read_text()
     assert "== disaggregated: 32 requests" in demo and "the prefill worker on" in demo and "== static" in demo
     handed = [word for line in demo.split("== static")[0].splitlines() if line.startswith("step ")
