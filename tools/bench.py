@@ -278,7 +278,8 @@ def paged_attention(model, args):
     print_extra_rows(figures)
     print(f"{'tokens/s, each pass':24}" + "".join(
         f"{'/'.join(format(pass_[0][name]['tokens/s'], '.0f') for pass_ in passes):>18}" for name in summaries))
-    print_extra_rows({}, legend=True)
+    legend = {**nanobatch.LEGEND, **EXTRA_ROWS, "tokens/s, each pass": "tokens/s in each pass, in turn"}
+    print("\n" + "\n".join(f"{row}: {meaning}" for row, meaning in legend.items()))
 
     def over_passes(ratio):  # ratio(summaries, figures) of each pass -> its median and range
         values = [ratio(*pass_) for pass_ in passes]
@@ -352,7 +353,7 @@ def extra_figures(reports, positions_per_block, summary):
             "mean step (ms)": 1e3 * summary["wall time (s)"] / summary["steps"]}
 
 
-def print_extra_rows(figures, legend=False):
+def print_extra_rows(figures):
     """EXTRA_ROWS under print_table's, in its columns: {run name: extra_figures(...)}."""
     def cell(row, value):
         if isinstance(value, tuple):
@@ -361,11 +362,8 @@ def print_extra_rows(figures, legend=False):
             return f"{value:.1%}"  # one decimal: per slot's share is a few percent
         return str(value) if isinstance(value, int) else f"{value:.{2 if value < 10 else 1 if value < 100 else 0}f}"
 
-    for row in EXTRA_ROWS if figures else []:
+    for row in EXTRA_ROWS:
         print(f"{row:24}" + "".join(f"{cell(row, run[row]):>18}" for run in figures.values()))
-    if legend:  # print_table's rows, then these
-        rows = {**nanobatch.LEGEND, **EXTRA_ROWS, "tokens/s, each pass": "tokens/s in each pass, in turn"}
-        print("\n" + "\n".join(f"{row}: {meaning}" for row, meaning in rows.items()))
 
 
 def demo_workload(model, args, n_slots):
