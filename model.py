@@ -7,7 +7,8 @@ Shape legend, used in every comment below and in nanobatch.py:
     M  tokens packed into one step: its rows, one token each
     D  of them one-token rows: a request that feeds one token (a decode, or a one-token prompt),
        at most one a slot
-    S  slots: the requests a step holds L  cache positions attended over
+    S  slots: the requests a step holds
+    L  cache positions attended over
     C  embedding size (n_embd)          nh heads, hs head size (C = nh * hs)
     V  vocabulary size                  R  rows whose logits are wanted
 
