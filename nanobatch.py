@@ -4,18 +4,19 @@ nanobatch: continuous batching (iteration-level scheduling) for GPT-2, in one lo
 Part 1, continuous batching. A belt of S slots, each holding one sequence's keys and values in the
 KV cache. Every step of `generate`:
     1) requests whose arrival step has come join the waiting queue;
-    2) waiting requests take the free slots;
+    2) waiting requests take the free slots, while the cache has room for them;
     3) the step's tokens are chosen: each decoding request's newest token, then prompt tokens, at
        most prefill_chunk of them (chunked prefill), all packed side by side;
     4) ONE forward runs over them, under a mask that keeps every token to its own slot;
     5) each request whose tokens are now all in the cache takes its next token, and stops or not;
-    6) the step is reported (which request sits in which slot: the belt you see scroll by);
+    6) the step is reported (built outside the loop), if the caller asked;
     7) finished requests retire, their slots free for the very next step.
-Static batching is the same loop with one decision changed (`slots_to_fill`).
-Part 2, disaggregated prefill: a PrefillWorker thread prefills the prompts on hardware of its own,
-and the loop only decodes. Part 3, paged attention: the cache as a pool of small blocks that requests
-take as their tokens go in, and give back when they leave or are preempted. Below them, under
-banners: the input checks, the figures, the command line.
+Static batching is the same loop with one decision changed (`slots_to_fill`). The loop asks the
+cache (SlotBlocks) and the prompts' feeder (PrefillInLoop) the same questions in every mode; the
+later Parts answer them another way. Part 2, disaggregated prefill: a PrefillWorker thread feeds
+the prompts, on hardware of its own. Part 3, paged attention: a BlockPool holds the cache as small
+blocks that requests take as their tokens go in, and give back when they leave or are preempted.
+Below them, under banners: the input checks, the figures and step reports, the command line.
 Shapes in comments use model.py's legend: S slots, M tokens packed into a step, D of them one-token
 rows, T tokens of one prompt chunk, L cache positions attended over, R rows sampled, V vocabulary.
 """
@@ -67,40 +68,6 @@ class Completion:
     first_token_step: int  # admit_step, unless its prompt took several steps (chunks) or the worker had it
     slot: int  # the slot it occupied (Part 3: preempted and taken in again, the last)
     token_times_s: list[float]  # seconds from the start of its arrival step to each of its tokens
-
-
-def letter(request_index):
-    """The request's name on screen: A-Z, then a-z, then A again."""
-    letters = string.ascii_uppercase + string.ascii_lowercase
-    return letters[request_index % len(letters)]
-
-
-@dataclass
-class StepReport:
-    step: int
-    belt: str  # a character per slot: letter() of who made a token there, '~' a prompt not all in, '.' idle
-    n_running: int  # requests that made a token this step
-    n_prefilling: int  # requests in a slot whose prompt is not all in the cache yet
-    n_waiting: int  # arrived requests still queued
-    n_prompt_tokens: int  # prompt tokens that went through the model this step
-    admitted: list[int]  # request indices that took a slot this step
-    finished: list[tuple[int, Completion]]  # (request index, its completion)
-    model_s: float  # seconds in the forward pass and sampling, until the tokens were back
-    step_s: float  # seconds for the whole step, the scheduling around the model included
-    sampled: list[int]  # request indices that made a token, in the order of logits' rows
-    logits: torch.Tensor  # (R, V): the logits those tokens were sampled from
-    packed: PackedStep | None  # what the step's forward ran on, as model.forward_packed took it; None: no forward
-    occupants: list[int | None] = field(default_factory=list)  # each slot's request index in the step (None: empty)
-    waiting: list[int] = field(default_factory=list)  # the queue after admission, first in line first
-    kv_used: int = 0  # cache positions holding a token after the step's forward, all requests together
-    n_cached: list[int] = field(default_factory=list)  # each slot's share of kv_used (0: an empty slot)
-    kv_total: int = 0  # the cache's positions: n_slots x max_len, or (Part 3) the pool's
-    handed_over: list[int] = field(default_factory=list)  # Part 2: prompts the worker handed over this step
-    at_worker: list[int] = field(default_factory=list)  # Part 2: prompts the worker holds after the step
-    kv_bytes: int = 0  # bytes of keys and values the worker copied into their slots
-    kv_s: float = 0.0  # seconds those copies took, on the worker's side
-    preempted: list[int] = field(default_factory=list)  # Part 3: requests sent back to the queue this step
-    block_tables: list[list[int]] = field(default_factory=list)  # each slot's blocks after the step (per slot: [slot])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,21 +127,27 @@ def stop_reason(request, tokens, max_len, eos_id):
 
 @dataclass
 class Running:
-    """A request in a slot: the per-slot state the loop keeps."""
+    """A request in the engine from its arrival: waiting for a slot, then in one. What the loop keeps."""
     request_index: int  # its place in the caller's list
     request: Request
-    slot: int
-    sampler: torch.Generator
-    admit_step: int
+    slot: int | None = None  # its slot on the belt (None: not in one yet)
+    sampler: torch.Generator | None = None  # its own random generator (new_sampler)
+    admit_step: int | None = None  # the loop step that first took it into a slot
     block_table: list[int] = field(default_factory=list)  # its cache blocks, in order: per slot [slot]; Part 3
-    n_cached: int = 0  # tokens of prompt + answer in the slot's cache; decoding, all but the newest
+    n_cached: int = 0  # tokens of prompt + answer in the cache; decoding, all but the newest
     tokens: list[int] = field(default_factory=list)  # generated so far
     token_times_s: list[float] = field(default_factory=list)  # seconds from arrival to each token
     first_token_step: int | None = None
+    arrived_at: float = 0.0  # wall time (time.perf_counter) at the start of its arrival step
+
+    @property
+    def n_to_feed(self):  # prompt + answer tokens not in the cache yet: all that it still has to feed
+        return len(self.request.prompt) + len(self.tokens) - self.n_cached
 
     @property
     def is_prefilling(self):  # more to feed than its newest token: its prompt (Part 3: or, preempted, all again)
-        return self.n_cached < len(self.request.prompt) + max(0, len(self.tokens) - 1)
+        newest = 1 if self.tokens else 0  # before its first token, a prompt has no newest token to feed
+        return self.n_to_feed > newest
 
 
 def slots_to_fill(belt, policy):
@@ -192,11 +165,11 @@ def plan_step(belt, prefill_chunk):
     work = [(run, [run.tokens[-1]]) for run in runs if not run.is_prefilling]
     budget = math.inf if prefill_chunk is None else prefill_chunk
     for run in sorted((run for run in runs if run.is_prefilling), key=lambda run: run.request.arrival):
-        to_feed = run.request.prompt + run.tokens  # its prompt; Part 3: a preempted run's answer too
-        n = min(budget, len(to_feed) - run.n_cached)
+        n = min(budget, run.n_to_feed)
         if n == 0:
             break
-        work.append((run, to_feed[run.n_cached:run.n_cached + n]))
+        sequence = run.request.prompt + run.tokens  # its prompt; Part 3: a preempted run's answer too
+        work.append((run, sequence[run.n_cached:run.n_cached + n]))
         budget -= n
     return work
 
@@ -248,7 +221,7 @@ def pack_step(work, padding_slots, n_slots, device, block_tables=None):
         # a prompt in the step that completes it.
         if run is None:
             padding_rows.append(len(tokens) - 1)
-        elif first_position + len(ids) == len(run.request.prompt) + len(run.tokens):
+        elif len(ids) == run.n_to_feed:
             logit_rows.append(len(tokens) - 1)
             to_sample.append(run)
     query_positions = [0] * n_slots  # each slot's one-token row's position; 0 for a slot with none, whose
@@ -279,6 +252,66 @@ def pack_step(work, padding_slots, n_slots, device, block_tables=None):
 
 
 # ---------------------------------------------------------------------------------------------
+# What the loop asks of the cache and of the prompts: Part 1's answers, per slot and in the loop
+
+
+class SlotBlocks:
+    """The KV cache and who holds its blocks, per slot: block s is slot s's, max_len positions kept
+    for whoever sits there. The loop asks it to admit a request into a free slot, to make room for
+    the step's feeds, and to vacate a slot; Part 3's BlockPool answers the same for a pool of blocks."""
+
+    def __init__(self, model, n_slots, max_len):
+        self.cache = model.new_cache(n_slots, max_len)  # the one large allocation, reused by every request
+
+    def admit(self, run, slot, belt, prefill_chunk):  # seat run if the cache has room for it -> whether it did
+        run.slot, run.block_table, belt[slot] = slot, [slot], run  # per slot, its block waits for it
+        return True
+
+    def make_room(self, work, belt, waiting, prefill_chunk):  # -> (the work, the requests preempted for it)
+        return work, []  # per slot, a run's block holds all it can feed
+
+    def vacate(self, run, belt):
+        """run leaves its slot (retired; Part 3, or preempted): what it wrote is wiped (KVCache.clear
+        says why), its blocks let go, its slot free for the next step."""
+        self.cache.clear(run.block_table, run.n_cached)
+        run.block_table, run.n_cached, belt[run.slot] = [], 0, None
+
+    def block_tables(self, belt):  # where pack_step finds a slot's positions: per slot, none (slot s is block s)
+        return None
+
+
+class PrefillInLoop(nullcontext):
+    """Who feeds the prompts: the loop itself, at most prefill_chunk tokens a step in its own forward
+    (plan_step's budget). Part 2's PrefillWorker answers the same calls with a thread of its own,
+    started and ended by generate's `with`, which this context does nothing for."""
+    holding = ()  # the requests whose prompts are being prefilled elsewhere: none
+
+    def __init__(self, prefill_chunk):
+        super().__init__()
+        self.budget = prefill_chunk  # prompt tokens the loop feeds a step (None: no limit)
+
+    def send(self, run):  # an admitted request's prompt: the loop feeds it, from plan_step's budget
+        pass
+
+    def receive(self, belt):  # prompts prefilled elsewhere, handed over since the last step: none
+        return []
+
+
+def admit_waiting(belt, waiting, policy, blocks, prompts, step):
+    """Waiting requests into the free slots, first come first served, while the cache has room for
+    them -> their request indices. Each admitted prompt is sent to whoever feeds the prompts."""
+    admitted = []
+    for slot in slots_to_fill(belt, policy)[:len(waiting)]:
+        if not blocks.admit(waiting[0], slot, belt, prompts.budget):
+            break  # it stays first in line, and nobody passes it
+        run = waiting.popleft()
+        run.admit_step = step if run.admit_step is None else run.admit_step  # Part 3: taken in again, its first
+        prompts.send(run)
+        admitted.append(run.request_index)
+    return admitted
+
+
+# ---------------------------------------------------------------------------------------------
 # The loop
 
 
@@ -295,107 +328,69 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
     requests = check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk, disaggregate,
                                kv_blocks, kv_block_size)
     device = model.lm_head.weight.device
-    # The one large allocation, reused by every request: a block of max_len a slot, or (Part 3) the pool.
-    pool = BlockPool(kv_blocks, kv_block_size) if kv_blocks else None
-    cache = model.new_cache(kv_blocks, kv_block_size) if pool else model.new_cache(n_slots, max_len)
-    pending = deque(sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i)))
-    waiting = deque()  # arrived, not yet admitted: first come, first served
+    # Who holds the cache's blocks: a block of max_len a slot, or (Part 3) a pool of small blocks.
+    blocks = BlockPool(model, kv_blocks, kv_block_size) if kv_blocks else SlotBlocks(model, n_slots, max_len)
+    # Who feeds the prompts: the loop itself, or (Part 2) a prefill worker beside it.
+    prompts = PrefillWorker(model, blocks.cache, max_len, prefill_chunk) if disaggregate else \
+        PrefillInLoop(prefill_chunk)
+    pending = deque(sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i)))  # not arrived yet
+    waiting = deque()  # Running requests not in a slot: first come, first served
     belt = [None] * n_slots  # belt[slot]: the Running request in that slot, or None
-    completions, arrived_at = [None] * len(requests), [None] * len(requests)  # arrived_at: wall time
-    step, n_done = 0, 0
-    worker = PrefillWorker(model, cache, max_len, prefill_chunk) if disaggregate else None  # Part 2
-    with torch.no_grad(), worker or nullcontext():
-        while n_done < len(requests):
+    completions, step = [None] * len(requests), 0
+    with torch.no_grad(), prompts:
+        while pending or waiting or any(belt):  # requests left: not arrived yet, waiting, or in a slot
             # 0) Nothing running and nothing waiting: jump the clock to the next arrival.
-            if all(run is None for run in belt) and not waiting:
+            if not waiting and not any(belt):
                 step = max(step, requests[pending[0]].arrival)
             # 1) Arrivals join the queue.
             step_start = time.perf_counter()
             while pending and requests[pending[0]].arrival <= step:
-                arrived_at[pending[0]] = step_start
-                waiting.append(pending.popleft())
-            # 2) Admit waiting requests into free slots (Part 2: the prompt goes to the worker, the slot
-            #    reserved; Part 3: only while the pool has the blocks for what it feeds first).
-            admitted = []
-            for slot in slots_to_fill(belt, policy)[:len(waiting)]:
-                i = waiting[0]
-                run = pool.preempted.get(i) if pool else None  # Part 3: one preempted comes back as it left
-                run = run or Running(i, requests[i], slot, new_sampler(requests[i], device), step,
-                                     block_table=[] if pool else [slot])  # per slot, block s is slot s's
-                if pool and not pool.admit(run, slot, belt, prefill_chunk):
-                    break
-                run.slot, belt[slot] = slot, run
-                admitted.append(waiting.popleft())
-                if worker:
-                    worker.inbox.put(run)
-            # 3) Choose the step's tokens (with a worker, no prompt token) and pack them. Static
+                i = pending.popleft()
+                waiting.append(Running(i, requests[i], sampler=new_sampler(requests[i], device), arrived_at=step_start))
+            # 2) Admit waiting requests into free slots.
+            admitted = admit_waiting(belt, waiting, policy, blocks, prompts, step)
+            # 3) Choose the step's tokens, find them room in the cache, and pack them. Static
             #    batching, as a padded batch does, still computes a row for each finished request.
-            work, preempted = plan_step(belt, 0 if worker else prefill_chunk), []
-            if pool:  # Part 3: the blocks for what the step feeds; if too few, the last admitted gives way
-                work, preempted = pool.make_room(work, belt, waiting, cache, prefill_chunk)
+            work, preempted = blocks.make_room(plan_step(belt, prompts.budget), belt, waiting, prompts.budget)
             padding_slots = [s for s, run in enumerate(belt) if run is None] if policy == "static" else []
-            block_tables = [run.block_table if run else [] for run in belt] if pool else None
-            packed, to_sample = pack_step(work, padding_slots, n_slots, device, block_tables)
+            packed, to_sample = pack_step(work, padding_slots, n_slots, device, blocks.block_tables(belt))
             n_prompt_tokens = sum(len(ids) for run, ids in work if run.is_prefilling)  # before n_cached moves on
             for run, ids in work:
                 run.n_cached += len(ids)  # the forward below writes them
             # 4) One forward over all of them; a token for every run due one.
             model_start = time.perf_counter()
-            if work:
-                logits = model.forward_packed(packed, cache)[:len(to_sample)]  # (R, V): padding's rows dropped
-                new_tokens = sample_step(logits, to_sample, device)
-            else:  # Part 2: nothing to decode yet, so no forward, no logits (0, V): the loop waits for the worker in 4b
-                logits, new_tokens = torch.empty(0, model.config.vocab_size, dtype=cache.kv.dtype, device=device), []
+            logits = model.forward_packed(packed, blocks.cache)[:len(to_sample)]  # (R, V): padding's rows dropped
+            new_tokens = sample_step(logits, to_sample, device)
             model_s = time.perf_counter() - model_start
-            # 4b) Part 2: prompts the worker handed over, in their slots, each with its first token.
-            handovers = worker.receive(wait=not work) if worker else []
-            for handover in handovers:
-                handover.run.n_cached = len(handover.run.request.prompt)
-                to_sample.append(handover.run)
-                new_tokens.append(handover.token)
-            if handovers:
-                logits = torch.cat([logits, torch.stack([handover.logits for handover in handovers])])  # (R, V)
+            # 4b) Prompts prefilled elsewhere come back, each with its first token (Part 2).
+            handovers = prompts.receive(belt)
+            sampled = to_sample + [handover.run for handover in handovers]
+            new_tokens += [handover.token for handover in handovers]
             # 5) Each new token joins its answer, which ends here or goes on.
             now, finished = time.perf_counter(), []
-            for run, token in zip(to_sample, new_tokens):
+            for run, token in zip(sampled, new_tokens):
                 run.tokens.append(token)
-                run.token_times_s.append(now - arrived_at[run.request_index])
-                if run.first_token_step is None:
-                    run.first_token_step = step
+                run.token_times_s.append(now - run.arrived_at)
+                run.first_token_step = step if run.first_token_step is None else run.first_token_step
                 if reason := stop_reason(run.request, run.tokens, max_len, eos_id):
-                    completions[run.request_index] = Completion(
-                        tokens=run.tokens, finish_reason=reason, admit_step=run.admit_step, finish_step=step,
-                        ttft_s=run.token_times_s[0], latency_s=run.token_times_s[-1],
-                        first_token_step=run.first_token_step, slot=run.slot, token_times_s=run.token_times_s)
+                    completions[run.request_index] = completion(run, reason, step)
                     finished.append(run)
-            # 6) Report the step: the belt as it ran, and who came and went.
+            # 6) Report the step, if asked: built from what it did (step_report, with the figures).
             if on_step is not None:
-                on_step(StepReport(
-                    step=step, n_running=len(to_sample), n_waiting=len(waiting),
-                    belt="".join("." if run is None else "~" if run.is_prefilling else letter(run.request_index)
-                                 for run in belt),
-                    n_prefilling=sum(run is not None and run.is_prefilling for run in belt),
-                    n_prompt_tokens=n_prompt_tokens, admitted=admitted,
-                    finished=[(run.request_index, completions[run.request_index]) for run in finished],
-                    model_s=model_s, step_s=time.perf_counter() - step_start,
-                    sampled=[run.request_index for run in to_sample], logits=logits, packed=packed if work else None,
-                    occupants=[None if run is None else run.request_index for run in belt], waiting=list(waiting),
-                    kv_used=sum(run.n_cached for run in belt if run), kv_total=cache.n_positions,
-                    n_cached=[run.n_cached if run else 0 for run in belt],
-                    handed_over=[handover.run.request_index for handover in handovers],
-                    at_worker=[run.request_index for run in belt if worker and run and run.is_prefilling],
-                    kv_bytes=sum(handover.kv_bytes for handover in handovers),
-                    kv_s=sum(handover.kv_s for handover in handovers), preempted=preempted,
-                    block_tables=[list(run.block_table) if run else [] for run in belt]))
-            # 7) Retire finished requests: wipe what each wrote (see KVCache.clear); the slot is free.
+                on_step(step_report(step, step_start, belt, waiting, blocks, prompts, admitted, preempted, packed,
+                                    n_prompt_tokens, logits, model_s, handovers, sampled, finished, completions))
+            # 7) Retire finished requests: each vacates its slot, free for the very next step.
             for run in finished:
-                cache.clear(run.block_table, run.n_cached)
-                if pool:  # Part 3: and its blocks go back to the pool
-                    pool.free(run)
-                belt[run.slot] = None
-            n_done += len(finished)
+                blocks.vacate(run, belt)
             step += 1
     return completions
+
+
+def completion(run, reason, step):
+    """What a finished request's caller gets back, from the state the loop kept."""
+    return Completion(tokens=run.tokens, finish_reason=reason, admit_step=run.admit_step, finish_step=step,
+                      ttft_s=run.token_times_s[0], latency_s=run.token_times_s[-1],
+                      first_token_step=run.first_token_step, slot=run.slot, token_times_s=run.token_times_s)
 
 
 def generate_sequential(model, requests, *, max_len=None, eos_id=EOT):
@@ -448,9 +443,13 @@ class Handover:
 
 
 class PrefillWorker:
+    """The prompts' second answer (Part 1's is PrefillInLoop): the same calls, served by a thread."""
+    budget = 0  # prompt tokens the loop feeds a step: none, the worker takes them all
+
     def __init__(self, model, cache, max_len, prefill_chunk):
         self.model, self.cache, self.max_len, self.prefill_chunk = model, cache, max_len, prefill_chunk
         self.inbox, self.outbox = queue.Queue(), queue.Queue()  # Running (None: wake up); Handover or error
+        self.holding = set()  # the requests sent and not yet handed back: the worker's to prefill
         self.stopping = threading.Event()
         self.n_threads = torch.get_num_threads()  # the caller's setting, given back at the end
         # Grad and inference mode are set per thread, and a tensor made in inference mode (the caller's
@@ -499,14 +498,22 @@ class PrefillWorker:
         self.thread.start()
         return self
 
-    def receive(self, wait):
-        """The Handovers sent since the last call; with wait, at least one (the loop is idle)."""
-        handovers = [self.outbox.get()] if wait else []
+    def send(self, run):  # an admitted request, its slot reserved, to the worker's queue
+        self.holding.add(run.request_index)
+        self.inbox.put(run)
+
+    def receive(self, belt):
+        """The Handovers sent since the last call, each request's prompt now in its slot. When no
+        request on the belt decodes, the loop has nothing else to do: it waits for at least one."""
+        is_idle = self.holding and all(run is None or run.is_prefilling for run in belt)
+        handovers = [self.outbox.get()] if is_idle else []
         while not self.outbox.empty():  # the loop is the only reader
             handovers.append(self.outbox.get())
         for handover in handovers:
             if isinstance(handover, BaseException):
                 raise handover
+            handover.run.n_cached = len(handover.run.request.prompt)  # the worker wrote them into its slot
+            self.holding.remove(handover.run.request_index)
             if handover.logits.is_cuda:  # made on the worker's stream, read on the loop's: tell the allocator
                 handover.logits.record_stream(torch.cuda.current_stream(handover.logits.device))
         return handovers
@@ -529,20 +536,24 @@ class PrefillWorker:
 # block block_table[p // block_size]. A request takes a block when its tokens reach one and gives its
 # blocks back when it leaves: n_slots only caps how many requests step together. The mask does not
 # change: it speaks of positions, and the block table only says where a position's keys live
-# (model.attend_packed writes through it, model.slot_positions reads through it). When a step needs a
-# block and none is free, the request admitted last gives its blocks back and returns to the head of
-# the queue with its tokens (preemption by recompute, vLLM's default): taken in again, it feeds its
-# prompt and answer again, under the same prompt budget, and its generator carries on where it was.
+# (model.attend_packed writes through it, model.slot_positions reads through it).
+# When a step needs a block and none is free, the most recently admitted request still in a slot
+# gives its blocks back (a bystander, perhaps, not the request short of a block) and returns to the
+# head of the queue with its tokens: preemption by recompute, vLLM's default. It comes back in a
+# later step, never the one that preempted it, into the lowest free slot (not its old one), once the
+# free blocks hold its first feed; until then the queue behind it waits. Taken in again, it feeds
+# its prompt and answer again under the same prompt budget, and its generator carries on.
 
 
-class BlockPool:
-    """Which blocks of the cache are free, and which requests hold the others (nano-vllm's BlockManager)."""
+class BlockPool(SlotBlocks):
+    """The same three answers as SlotBlocks, for a pool of blocks: which are free, and which
+    requests hold the others (nano-vllm's BlockManager)."""
 
-    def __init__(self, n_blocks, block_size):
+    def __init__(self, model, n_blocks, block_size):
+        self.cache = model.new_cache(n_blocks, block_size)  # the one large allocation: every block of the pool
         self.block_size = block_size
         self.free_blocks = deque(range(n_blocks))  # any free block will do: none is nearer than another
-        self.holders = []  # the requests admitted, in order of admission: the last gives way first
-        self.preempted = {}  # request index -> its Running, tokens and generator kept, while it waits again
+        self.holders = []  # the requests in a slot, in order of admission: the last gives way first
 
     def n_blocks_needed(self, run, n_positions):
         """Blocks run must take so that its block table holds its first n_positions."""
@@ -553,33 +564,30 @@ class BlockPool:
         return sum(self.n_blocks_needed(run, run.n_cached + len(ids)) for run, ids in work)
 
     def admit(self, run, slot, belt, prefill_chunk):
-        """Whether run may take the free slot: the free blocks hold all that the step would feed with
-        it on the belt, its own first feed included. Taken, it joins the holders (and leaves the
-        preempted, if it was one); else the step plans without it, and it stays first in line."""
-        belt[slot] = run
+        """Seat run in the free slot if the free blocks hold all that the step would feed with it on
+        the belt, its own first feed included -> whether it did. If not, the step plans without it."""
+        run.slot, belt[slot] = slot, run
         fits = self.n_blocks_due(plan_step(belt, prefill_chunk)) <= len(self.free_blocks)
-        belt[slot] = None
         if not fits and not self.holders:  # alone and still short, though the input checks saw to it: a bug
             raise RuntimeError(f"{len(self.free_blocks)} free blocks cannot take request {run.request_index} alone")
         if fits:
             self.holders.append(run)
-            self.preempted.pop(run.request_index, None)
+        else:
+            belt[slot] = None
         return fits
 
-    def make_room(self, work, belt, waiting, cache, prefill_chunk):
+    def make_room(self, work, belt, waiting, prefill_chunk):
         """Take the blocks that the step's work needs -> (the work, the request indices preempted).
-        While too few are free, the request admitted last is preempted, and the step planned again
-        without it: even one that holds no block yet (its prompt waits for the budget) gives way, at
-        no cost, so that an older request never waits behind a newer one. The first admitted never
-        gives way: the input checks saw to it that the pool holds any one request's whole sequence."""
+        While too few are free, the most recently admitted request still in a slot is preempted, and
+        the step planned again without it: even one that holds no block yet (its prompt waits for the
+        budget) gives way, at no cost, so that an older request never waits behind a newer one. The
+        first admitted never gives way: the input checks saw to it that the pool holds any one
+        request's whole sequence."""
         preempted = []
         while self.n_blocks_due(work) > len(self.free_blocks):
             victim = self.holders[-1]
-            cache.clear(victim.block_table, victim.n_cached)
-            self.free(victim)
-            belt[victim.slot] = None
-            waiting.appendleft(victim.request_index)
-            self.preempted[victim.request_index] = victim
+            self.vacate(victim, belt)
+            waiting.appendleft(victim)  # its tokens and generator kept: it goes on where it was
             preempted.append(victim.request_index)
             work = plan_step(belt, prefill_chunk)
         for run, ids in work:
@@ -587,11 +595,14 @@ class BlockPool:
                 run.block_table.append(self.free_blocks.popleft())
         return work, preempted
 
-    def free(self, run):
-        """run's blocks back to the pool (wiped first: KVCache.clear); it holds no position now."""
+    def vacate(self, run, belt):
+        """As per slot (wiped, its slot emptied), and its blocks back to the pool."""
         self.free_blocks.extend(run.block_table)
         self.holders.remove(run)
-        run.block_table, run.n_cached = [], 0
+        super().vacate(run, belt)
+
+    def block_tables(self, belt):  # each slot's blocks, for pack_step (an empty slot: none)
+        return [run.block_table if run else [] for run in belt]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -712,6 +723,62 @@ def check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_c
 
 # ---------------------------------------------------------------------------------------------
 # The figures of a run, and the belt on screen: for --demo, --prompt and tools/bench.py
+
+
+def letter(request_index):
+    """The request's name on screen: A-Z, then a-z, then A again."""
+    letters = string.ascii_uppercase + string.ascii_lowercase
+    return letters[request_index % len(letters)]
+
+
+@dataclass
+class StepReport:
+    step: int
+    belt: str  # a character per slot: letter() of who made a token there, '~' a prompt not all in, '.' idle
+    n_running: int  # requests that made a token this step
+    n_prefilling: int  # requests in a slot whose prompt is not all in the cache yet
+    n_waiting: int  # arrived requests still queued
+    n_prompt_tokens: int  # prompt tokens that went through the model this step
+    admitted: list[int]  # request indices that took a slot this step
+    finished: list[tuple[int, Completion]]  # (request index, its completion)
+    model_s: float  # seconds in the forward pass and sampling, until the tokens were back
+    step_s: float  # seconds for the whole step, the scheduling around the model included
+    sampled: list[int]  # request indices that made a token, in the order of logits' rows
+    logits: torch.Tensor  # (R, V): the logits those tokens were sampled from
+    packed: PackedStep | None  # what the step's forward ran on, as model.forward_packed took it; None: no forward
+    occupants: list[int | None] = field(default_factory=list)  # each slot's request index in the step (None: empty)
+    waiting: list[int] = field(default_factory=list)  # the queue after admission, first in line first
+    kv_used: int = 0  # cache positions holding a token after the step's forward, all requests together
+    n_cached: list[int] = field(default_factory=list)  # each slot's share of kv_used (0: an empty slot)
+    kv_total: int = 0  # the cache's positions: n_slots x max_len, or (Part 3) the pool's
+    handed_over: list[int] = field(default_factory=list)  # Part 2: prompts the worker handed over this step
+    at_worker: list[int] = field(default_factory=list)  # Part 2: prompts the worker holds after the step
+    kv_bytes: int = 0  # bytes of keys and values the worker copied into their slots
+    kv_s: float = 0.0  # seconds those copies took, on the worker's side
+    preempted: list[int] = field(default_factory=list)  # Part 3: requests sent back to the queue this step
+    block_tables: list[list[int]] = field(default_factory=list)  # each slot's blocks after the step (per slot: [slot])
+
+
+def step_report(step, step_start, belt, waiting, blocks, prompts, admitted, preempted, packed, n_prompt_tokens,
+                logits, model_s, handovers, sampled, finished, completions):
+    """The StepReport of a step, from what the loop recorded and the belt as the step left it
+    (before its finished requests retire). Built only for a caller who asked (on_step)."""
+    return StepReport(
+        step=step, n_running=len(sampled), n_waiting=len(waiting),
+        belt="".join("." if run is None else "~" if run.is_prefilling else letter(run.request_index) for run in belt),
+        n_prefilling=sum(run is not None and run.is_prefilling for run in belt), n_prompt_tokens=n_prompt_tokens,
+        admitted=admitted, finished=[(run.request_index, completions[run.request_index]) for run in finished],
+        model_s=model_s, step_s=time.perf_counter() - step_start, sampled=[run.request_index for run in sampled],
+        logits=torch.cat([logits] + [handover.logits[None] for handover in handovers]),  # (R, V)
+        packed=packed if len(packed.tokens) else None,  # no token fed (Part 2: all at the worker), no forward to show
+        occupants=[None if run is None else run.request_index for run in belt],
+        waiting=[run.request_index for run in waiting],
+        kv_used=sum(run.n_cached for run in belt if run), kv_total=blocks.cache.n_positions,
+        n_cached=[run.n_cached if run else 0 for run in belt],
+        handed_over=[handover.run.request_index for handover in handovers],
+        at_worker=[run.request_index for run in belt if run and run.request_index in prompts.holding],
+        kv_bytes=sum(handover.kv_bytes for handover in handovers), kv_s=sum(handover.kv_s for handover in handovers),
+        preempted=preempted, block_tables=[list(run.block_table) if run else [] for run in belt])
 
 
 def percentile(values, q):

@@ -682,7 +682,7 @@ def test_lab_4_the_dirty_slot(monkeypatch):
     all 0s (argmax of NaN logits) where the reference answers 7, the poisoned token, then 0s; the
     reused-slot one passes, the mask giving finite keys weight 0."""
     section = lab(4)
-    assert apply_lab(monkeypatch, section) == "generate"
+    assert apply_lab(monkeypatch, section) == "vacate"
     served, generate = [], proof.generate
 
     def recording(model, requests, **options):  # the runs the tests make, to read their requests and answers
@@ -705,7 +705,7 @@ def test_lab_4_the_dirty_slot(monkeypatch):
     says(section, r"\(The (\d+) in want: token (\d+)'s logit is NaN too", reference[later].tokens[0], poison)
     says(section, r"each answer takes (\d+), then, all NaN, (\d+)s", *{c.tokens[0] for c in reference},
          *{token for c in reference for token in c.tokens[1:]})
-    says(section, r"Skip the wipe in phase (\d+) of generate", phase("Retire"))
+    says(section, r"Skip the wipe that phase (\d+) of generate asks for", phase("Retire"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -133,7 +133,9 @@ def record_forwards(monkeypatch):
     calls = []
 
     def recording(self, step, cache):
-        if threading.current_thread() is threading.main_thread():  # the loop's; the worker's are its own
+        # The loop's calls, not the worker's; and of those, the ones over tokens: a step with nothing to
+        # feed (every prompt at the prefill worker) runs its forward over none, and reports no packed step.
+        if threading.current_thread() is threading.main_thread() and len(step.tokens):
             calls.append(on_host(step))
         return FORWARD_PACKED(self, step, cache)
 

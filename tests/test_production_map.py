@@ -34,7 +34,7 @@ ENGINES = {  # each engine as the page names it -> how the path of each of its p
 REQUIRED = {
     "generate", "slots_to_fill", "plan_step", "pack_step", "PackedStep", "CausalSelfAttention.attend_packed",
     "attention_mask", "KVCache", "KVCache.clear", "PrefillWorker", "Handover", "KVCache.send",
-    "BlockPool", "BlockPool.admit", "BlockPool.make_room", "BlockPool.free", "Running.block_table",
+    "BlockPool", "BlockPool.admit", "BlockPool.make_room", "BlockPool.vacate", "Running.block_table",
     "PackedStep.block_tables", "summarize", "sample", "split_at_cut", "attention_cut",
 }
 NAME_FORM = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)?(\([A-Za-z_]\w*\))?")  # f, C.m, f(param), C.m(param)
