@@ -256,44 +256,40 @@ def pack_step(work, padding_slots, n_slots, device, block_tables=None):
 
 
 class SlotBlocks:
-    """The KV cache and who holds its blocks, per slot: block s is slot s's, max_len positions kept
-    for whoever sits there. The loop asks it to admit a request into a free slot, to make room for
-    the step's feeds, and to vacate a slot; Part 3's BlockPool answers the same for a pool of blocks."""
+    """The KV cache per slot: block s is slot s's, max_len positions kept for whoever sits there. The
+    loop asks it three things (Part 3's BlockPool answers them for a pool of small blocks)."""
 
     def __init__(self, model, n_slots, max_len):
         self.cache = model.new_cache(n_slots, max_len)  # the one large allocation, reused by every request
 
-    def admit(self, run, slot, belt, prefill_chunk):  # seat run if the cache has room for it -> whether it did
+    def admit(self, run, slot, belt, prefill_chunk):  # seat run in the free slot if it has room -> whether it did
         run.slot, run.block_table, belt[slot] = slot, [slot], run  # per slot, its block waits for it
         return True
 
-    def make_room(self, work, belt, waiting, prefill_chunk):  # -> (the work, the requests preempted for it)
-        return work, []  # per slot, a run's block holds all it can feed
+    def make_room(self, work, belt, waiting, prefill_chunk):  # blocks for the step's feeds -> (work, preempted)
+        return work, []  # per slot, each run's block holds all it can feed
 
-    def vacate(self, run, belt):
-        """run leaves its slot (retired; Part 3, or preempted): what it wrote is wiped (KVCache.clear
-        says why), its blocks let go, its slot free for the next step."""
-        self.cache.clear(run.block_table, run.n_cached)
+    def vacate(self, run, belt):  # run leaves its slot, retired (Part 3: or preempted)
+        self.cache.clear(run.block_table, run.n_cached)  # what it wrote, wiped: KVCache.clear says why
         run.block_table, run.n_cached, belt[run.slot] = [], 0, None
 
-    def block_tables(self, belt):  # where pack_step finds a slot's positions: per slot, none (slot s is block s)
+    def block_tables(self, belt):  # where pack_step finds a slot's positions: per slot, slot s is block s
         return None
 
 
 class PrefillInLoop(nullcontext):
-    """Who feeds the prompts: the loop itself, at most prefill_chunk tokens a step in its own forward
-    (plan_step's budget). Part 2's PrefillWorker answers the same calls with a thread of its own,
-    started and ended by generate's `with`, which this context does nothing for."""
+    """Who feeds the prompts: the loop itself, at most prefill_chunk tokens a step (plan_step's budget).
+    Part 2's PrefillWorker answers the same calls with a thread, which generate's `with` starts."""
     holding = ()  # the requests whose prompts are being prefilled elsewhere: none
 
     def __init__(self, prefill_chunk):
         super().__init__()
         self.budget = prefill_chunk  # prompt tokens the loop feeds a step (None: no limit)
 
-    def send(self, run):  # an admitted request's prompt: the loop feeds it, from plan_step's budget
+    def send(self, run):  # an admitted request's prompt: the loop feeds it itself
         pass
 
-    def receive(self, belt):  # prompts prefilled elsewhere, handed over since the last step: none
+    def receive(self, belt):  # prompts prefilled elsewhere and handed over: none
         return []
 
 
@@ -425,16 +421,15 @@ def generate_sequential(model, requests, *, max_len=None, eos_id=EOT):
 # ---------------------------------------------------------------------------------------------
 # Part 2, disaggregated prefill: the prompts on hardware of their own
 #
-# Two actors, one queue in and one out. The loop (the calling thread, the model's device) admits a
-# request, reserves its slot and sends it. The worker (a second GPU with a copy of the weights, else
-# a CUDA stream of its own, else half the CPU's threads) prefills the prompt into a cache of its own,
-# samples the first token, copies the keys and values into the slot and sends back a Handover, or
-# the exception that stopped it, which the loop raises. generate's `with` block starts and joins it.
+# Two actors, one queue in and one out, behind the calls Part 1's PrefillInLoop answers. The loop (the
+# calling thread, the model's device) admits a request, reserves its slot and sends it. The worker (a
+# second GPU with a copy of the weights, else a CUDA stream of its own, else half the CPU's threads)
+# prefills the prompt into a cache of its own, samples the first token, copies the keys and values into
+# the slot and sends back a Handover, or the error that stopped it, raised in the loop as it receives.
 
 
 @dataclass
-class Handover:
-    """What the worker sends back once a request's keys and values are in its slot."""
+class Handover:  # what the worker sends back once a request's keys and values are in its slot
     run: Running  # the loop's own Running, its slot reserved at admission
     token: int  # its first token, sampled with the request's own generator
     logits: torch.Tensor  # (V,) the logits that token was sampled from
@@ -443,7 +438,6 @@ class Handover:
 
 
 class PrefillWorker:
-    """The prompts' second answer (Part 1's is PrefillInLoop): the same calls, served by a thread."""
     budget = 0  # prompt tokens the loop feeds a step: none, the worker takes them all
 
     def __init__(self, model, cache, max_len, prefill_chunk):
@@ -503,8 +497,7 @@ class PrefillWorker:
         self.inbox.put(run)
 
     def receive(self, belt):
-        """The Handovers sent since the last call, each request's prompt now in its slot. When no
-        request on the belt decodes, the loop has nothing else to do: it waits for at least one."""
+        """The Handovers sent since the last call; at least one if nothing on the belt decodes (the loop is idle)."""
         is_idle = self.holding and all(run is None or run.is_prefilling for run in belt)
         handovers = [self.outbox.get()] if is_idle else []
         while not self.outbox.empty():  # the loop is the only reader
@@ -518,7 +511,7 @@ class PrefillWorker:
                 handover.logits.record_stream(torch.cuda.current_stream(handover.logits.device))
         return handovers
 
-    def __exit__(self, *exception):
+    def __exit__(self, *exception):  # generate's `with` ends the thread; __enter__ started it
         self.stopping.set()  # prompts not started are dropped: the worker stops after the one in hand
         self.inbox.put(None)  # wakes it if it waits for a prompt
         try:
@@ -748,7 +741,8 @@ class StepReport:
     packed: PackedStep | None  # what the step's forward ran on, as model.forward_packed took it; None: no forward
     occupants: list[int | None] = field(default_factory=list)  # each slot's request index in the step (None: empty)
     waiting: list[int] = field(default_factory=list)  # the queue after admission, first in line first
-    kv_used: int = 0  # cache positions holding a token after the step's forward, all requests together
+    kv_used: int = 0  # cache positions written once the step's forward has run, all requests together: a request
+    #                   finishing in this step counts, the token just sampled does not (it goes in next step)
     n_cached: list[int] = field(default_factory=list)  # each slot's share of kv_used (0: an empty slot)
     kv_total: int = 0  # the cache's positions: n_slots x max_len, or (Part 3) the pool's
     handed_over: list[int] = field(default_factory=list)  # Part 2: prompts the worker handed over this step
