@@ -139,6 +139,7 @@ class Running:
     token_times_s: list[float] = field(default_factory=list)  # seconds from arrival to each token
     first_token_step: int | None = None
     arrived_at: float = 0.0  # wall time (time.perf_counter) at the start of its arrival step
+    n_found: int = 0  # Part 4: positions it found in the cache at its latest admission
 
     @property
     def n_to_feed(self):  # prompt + answer tokens not in the cache yet: all that it still has to feed
@@ -258,6 +259,7 @@ def pack_step(work, padding_slots, n_slots, device, block_tables=None):
 class SlotBlocks:
     """The KV cache per slot: block s is slot s's, max_len positions kept for whoever sits there. The
     loop asks it three things (Part 3's BlockPool answers them for a pool of small blocks)."""
+    kept = ()  # Part 4: free blocks that keep their keys for a later request; none here
 
     def __init__(self, model, n_slots, max_len):
         self.cache = model.new_cache(n_slots, max_len)  # the one large allocation, reused by every request
@@ -295,7 +297,7 @@ class PrefillInLoop(nullcontext):
 
 def admit_waiting(belt, waiting, policy, blocks, prompts, step):
     """Waiting requests into the free slots, first come first served, while the cache has room for
-    them -> their request indices. Each admitted prompt is sent to whoever feeds the prompts."""
+    them -> the Running requests admitted. Each admitted prompt is sent to whoever feeds the prompts."""
     admitted = []
     for slot in slots_to_fill(belt, policy)[:len(waiting)]:
         if not blocks.admit(waiting[0], slot, belt, prompts.budget):
@@ -303,7 +305,7 @@ def admit_waiting(belt, waiting, policy, blocks, prompts, step):
         run = waiting.popleft()
         run.admit_step = step if run.admit_step is None else run.admit_step  # Part 3: taken in again, its first
         prompts.send(run)
-        admitted.append(run.request_index)
+        admitted.append(run)
     return admitted
 
 
@@ -312,20 +314,24 @@ def admit_waiting(belt, waiting, policy, blocks, prompts, step):
 
 
 def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="continuous",
-             prefill_chunk=None, on_step=None, disaggregate=False, kv_blocks=None, kv_block_size=16):
+             prefill_chunk=None, on_step=None, disaggregate=False, kv_blocks=None, kv_block_size=16,
+             prefix_cache=False):
     """Serve every request through a belt of n_slots -> their Completions, in request order.
 
     max_len: positions per slot (default: block_size). eos_id=None: never stop on EOS. prefill_chunk:
     at most this many prompt tokens enter a step (None: whole prompts). on_step: called with a
     StepReport after every step. disaggregate: a PrefillWorker (Part 2) prefills every prompt, the
     loop only decodes; prefill_chunk is then the most prompt tokens in one forward of the worker.
-    kv_blocks: a paged cache (Part 3), that many blocks of kv_block_size positions that all slots share."""
+    kv_blocks: a paged cache (Part 3), that many blocks of kv_block_size positions that all slots share.
+    prefix_cache: paged, a request takes the blocks of its prefix that the cache holds already (Part 4)."""
     max_len = model.config.block_size if max_len is None else max_len
     requests = check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk, disaggregate,
-                               kv_blocks, kv_block_size)
+                               kv_blocks, kv_block_size, prefix_cache)
     device = model.lm_head.weight.device
-    # Who holds the cache's blocks: a block of max_len a slot, or (Part 3) a pool of small blocks.
-    blocks = BlockPool(model, kv_blocks, kv_block_size) if kv_blocks else SlotBlocks(model, n_slots, max_len)
+    # Who holds the cache's blocks: a block of max_len a slot, or (Part 3) a pool of small blocks, which
+    # (Part 4) keeps full blocks for later requests to find.
+    pool = PrefixCache if prefix_cache else BlockPool
+    blocks = pool(model, kv_blocks, kv_block_size) if kv_blocks else SlotBlocks(model, n_slots, max_len)
     # Who feeds the prompts: the loop itself, or (Part 2) a prefill worker beside it.
     prompts = PrefillWorker(model, blocks.cache, max_len, prefill_chunk) if disaggregate else \
         PrefillInLoop(prefill_chunk)
@@ -585,8 +591,11 @@ class BlockPool(SlotBlocks):
             work = plan_step(belt, prefill_chunk)
         for run, ids in work:
             for _ in range(self.n_blocks_needed(run, run.n_cached + len(ids))):
-                run.block_table.append(self.free_blocks.popleft())
+                run.block_table.append(self.take_block())
         return work, preempted
+
+    def take_block(self):  # a free block for new work: any will do
+        return self.free_blocks.popleft()
 
     def vacate(self, run, belt):
         """As per slot (wiped, its slot emptied), and its blocks back to the pool."""
@@ -596,6 +605,99 @@ class BlockPool(SlotBlocks):
 
     def block_tables(self, belt):  # each slot's blocks, for pack_step (an empty slot: none)
         return [run.block_table if run else [] for run in belt]
+
+
+# ---------------------------------------------------------------------------------------------
+# Part 4, prefix caching: a shared prompt's blocks computed once
+#
+# Chat requests share a system prompt, agents whole conversations. A full block's keys and values
+# depend only on the tokens up to its end, so a request whose sequence starts with the same tokens
+# may take that block into its block table instead of computing it again (vLLM's automatic prefix
+# caching, SGLang's RadixAttention, nano-vllm's block manager). A full block's key is its tokens and
+# its parent block's key, so equal blocks after different prefixes never match; blocks of answer
+# tokens get keys too, so a preempted request finds its own blocks again. At admission a request
+# takes the longest run of its full blocks found in the cache, all wholly before its last token,
+# which it always feeds: it samples, and never writes into a block another holds. A block becomes
+# matchable only once the forward that wrote it has run: the pool keys blocks when it next looks,
+# at an admission or as their request leaves, both after that forward. A block whose last holder
+# leaves keeps its keys and stays matchable while free; new work takes plain free blocks first,
+# then kept ones, least recently used first, wiped as any reused block is.
+
+
+class PrefixCache(BlockPool):
+    """A BlockPool whose full blocks outlive their requests, found again by key at admission."""
+
+    def __init__(self, model, n_blocks, block_size):
+        super().__init__(model, n_blocks, block_size)
+        self.n_tables = [0] * n_blocks  # how many block tables list each block: a shared one, several
+        self.key_of, self.block_with = {}, {}  # each keyed block's key; the block that holds each key
+
+    def keys(self, run, n_blocks):
+        """The keys of run's first n_blocks full blocks, each (its parent's key, its tokens): a nested
+        tuple, so that equal keys are equal prefixes, exactly (vLLM hashes the same pair)."""
+        sequence, keys = run.request.prompt + run.tokens, [None]
+        for start in range(0, n_blocks * self.block_size, self.block_size):
+            keys.append((keys[-1], tuple(sequence[start:start + self.block_size])))
+        return keys[1:]
+
+    def key_written(self, runs):
+        """Key the full blocks that forwards have written for these runs (a key another block holds
+        already stays with that one: this block is then a duplicate, freed as any unkeyed block)."""
+        for run in runs:
+            for block, key in zip(run.block_table, self.keys(run, run.n_cached // self.block_size)):
+                if key not in self.block_with:
+                    self.key_of[block], self.block_with[key] = key, block
+
+    def admit(self, run, slot, belt, prefill_chunk):
+        """As BlockPool admits, after run takes the longest run of its blocks found in the cache."""
+        self.key_written(run for run in belt if run)
+        n_matchable = (len(run.request.prompt) + len(run.tokens) - 1) // self.block_size  # before its last token
+        for key in self.keys(run, n_matchable):
+            if key not in self.block_with:
+                break
+            self.hold(self.block_with[key])
+            run.block_table.append(self.block_with[key])
+        run.n_cached = run.n_found = len(run.block_table) * self.block_size
+        if super().admit(run, slot, belt, prefill_chunk):
+            return True
+        self.release(run)  # it waits, holding nothing
+        run.n_cached = 0
+        return False
+
+    def hold(self, block):  # one more table lists block; a kept free block is free no more
+        if self.n_tables[block] == 0:
+            self.free_blocks.remove(block)
+        self.n_tables[block] += 1
+
+    def take_block(self):  # plain free blocks first (at the front), then kept ones, least recently used first
+        block = super().take_block()
+        if block in self.key_of:  # evicted: its key forgotten, its keys wiped
+            del self.block_with[self.key_of.pop(block)]
+            self.cache.clear([block], self.block_size)
+        self.n_tables[block] = 1
+        return block
+
+    def release(self, run):
+        """run's blocks let go: one that no table lists any more is free, kept if keyed (at the back
+        of the line, the most recently used), else wiped (at the front, taken first)."""
+        for block in run.block_table:
+            self.n_tables[block] -= 1
+            if self.n_tables[block] == 0 and block in self.key_of:
+                self.free_blocks.append(block)
+            elif self.n_tables[block] == 0:
+                self.cache.clear([block], self.block_size)
+                self.free_blocks.appendleft(block)
+        run.block_table = []
+
+    def vacate(self, run, belt):  # as BlockPool's, but what forwards wrote for it is kept, matchable
+        self.key_written([run])
+        self.release(run)
+        self.holders.remove(run)
+        run.n_cached, belt[run.slot] = 0, None
+
+    @property
+    def kept(self):  # free blocks that keep their keys, least recently used first
+        return [block for block in self.free_blocks if block in self.key_of]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -659,7 +761,7 @@ SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes (a ne
 
 
 def check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk=None, disaggregate=False,
-                    kv_blocks=None, kv_block_size=16):
+                    kv_blocks=None, kv_block_size=16, prefix_cache=False):
     """Reject, before any work, everything that could not be served -> the requests as new, checked
     copies in plain Python types (the caller's are left as they were)."""
     V, block_size, device = model.config.vocab_size, model.config.block_size, model.lm_head.weight.device
@@ -682,6 +784,8 @@ def check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_c
                          "together as it starts, with no stream of prompts for a prefill worker to take")
     checked_int(kv_blocks, "kv_blocks", 1, may_be_none=True)
     checked_int(kv_block_size, "kv_block_size", 1)
+    if not isinstance(prefix_cache, bool) or (prefix_cache and kv_blocks is None):
+        raise ValueError(f"prefix_cache must be True or False, and True needs kv_blocks, got {reprlib.repr(prefix_cache)}")
     if kv_blocks is None and kv_block_size != 16:
         raise ValueError(f"kv_block_size={kv_block_size} applies to a paged cache only: pass kv_blocks too")
     if kv_blocks is not None and (policy == "static" or disaggregate):
@@ -750,6 +854,8 @@ class StepReport:
     kv_bytes: int = 0  # bytes of keys and values the worker copied into their slots
     kv_s: float = 0.0  # seconds those copies took, on the worker's side
     preempted: list[int] = field(default_factory=list)  # Part 3: requests sent back to the queue this step
+    found_cached: list[int] = field(default_factory=list)  # Part 4: positions each admitted one found cached
+    cached_free: list[int] = field(default_factory=list)  # Part 4: free blocks kept for a match, after the step
     block_tables: list[list[int]] = field(default_factory=list)  # each slot's blocks after the step (per slot: [slot])
 
 
@@ -761,7 +867,8 @@ def step_report(step, step_start, belt, waiting, blocks, prompts, admitted, pree
         step=step, n_running=len(sampled), n_waiting=len(waiting),
         belt="".join("." if run is None else "~" if run.is_prefilling else letter(run.request_index) for run in belt),
         n_prefilling=sum(run is not None and run.is_prefilling for run in belt), n_prompt_tokens=n_prompt_tokens,
-        admitted=admitted, finished=[(run.request_index, completions[run.request_index]) for run in finished],
+        admitted=[run.request_index for run in admitted], found_cached=[run.n_found for run in admitted],
+        cached_free=list(blocks.kept), finished=[(run.request_index, completions[run.request_index]) for run in finished],
         model_s=model_s, step_s=time.perf_counter() - step_start, sampled=[run.request_index for run in sampled],
         logits=torch.cat([logits] + [handover.logits[None] for handover in handovers]),  # (R, V)
         packed=packed if len(packed.tokens) else None,  # no token fed (Part 2: all at the worker), no forward to show
@@ -801,6 +908,8 @@ LEGEND = {  # each figure of summarize(), in the table's order, and what it coun
                           "the seconds its copies took",
     "KV cache in use": "cache positions holding a token, a share of all the cache has: mean / peak over the steps",
     "preemptions": "paged: requests sent back to the queue for their blocks, to feed prompt and answer again",
+    "prefix cache hits": "positions admissions found cached (Part 4), a share of all they brought into the cache: "
+                         "those found, and the prompt tokens fed",
 }
 
 
@@ -820,6 +929,7 @@ def summarize(requests, completions, reports, wall_s):
         return (percentile(values, 50), percentile(values, 99)) if values else None
 
     n_tokens = sum(report.n_running for report in reports)
+    n_found, n_fed = sum(sum(report.found_cached) for report in reports), sum(r.n_prompt_tokens for r in reports)
     in_use = [report.kv_used / report.kv_total for report in reports if report.kv_total]  # each step's share
     gaps_ms = [1e3 * (later - earlier) for _, c in done for earlier, later in zip(c.token_times_s, c.token_times_s[1:])]
     return {
@@ -843,6 +953,7 @@ def summarize(requests, completions, reports, wall_s):
                                if any(report.handed_over for report in reports) else None),
         "KV cache in use": (sum(in_use) / len(in_use), max(in_use)) if in_use else None,
         "preemptions": sum(len(report.preempted) for report in reports),
+        "prefix cache hits": n_found / (n_found + n_fed) if n_found + n_fed else None,
     }
 
 
@@ -853,7 +964,7 @@ def print_table(summaries, legend=False):
             return " / ".join(cell(row, v) for v in value)
         if value is None:
             return "-"
-        if "occupancy" in row or "outside" in row or "in use" in row:
+        if "occupancy" in row or "outside" in row or "in use" in row or "hits" in row:
             return f"{value:.0%}"
         if isinstance(value, int):
             return str(value)
@@ -868,7 +979,9 @@ def print_table(summaries, legend=False):
 
 def print_step(report):
     """One line per step; read down the screen, the columns are the belt moving."""
-    events = [f"+{letter(i)}" for i in report.admitted] + [f">{letter(i)}" for i in report.handed_over]
+    found = dict(zip(report.admitted, report.found_cached))  # Part 4: positions found cached, shown if any
+    events = [f"+{letter(i)}" + (f"({found[i]} found)" if found.get(i) else "") for i in report.admitted]
+    events += [f">{letter(i)}" for i in report.handed_over]
     events += [f"-{letter(i)}({c.finish_reason},{len(c.tokens)})" for i, c in report.finished]
     events += [f"!{letter(i)}" for i in report.preempted]
     print(f"step {report.step:4d} |{report.belt}| {report.n_running:2d}/{len(report.belt)} "
