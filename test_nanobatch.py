@@ -19,6 +19,10 @@ same numbers; float64 on CPU makes "the same tokens" a fair demand. Chapter by c
 3)  The cached forward computes the plain forward's logits, row by row, over dirty slots.
 4)  Paged attention (Part 3): the same answers from a pool of blocks, with requests preempted and
     taken in again; the blocks' bookkeeping; and the teeth, a block table read one block off.
+5)  Prefix caching (Part 4): blocks shared by requests with a common prefix, kept after their
+    requests leave, evicted and reused, the same answers; each block's count of tables and no shared
+    block written; and the teeth: a key blind to its parent, a block matched before its forward has
+    run, a hit that leaves the last prompt token unfed.
 
 Everything else sits in tests/, a file per subject: loading checkpoints (test_loading.py), bad
 input (test_bad_input.py), the figures (test_figures.py), the belt as a picture and the bench
@@ -671,3 +675,165 @@ def test_a_block_table_read_one_block_off_is_caught(gpt, monkeypatch):
     assert first_difference(paged(), reference) == "", "the engine itself is broken"
     monkeypatch.setattr(model_py, "slot_positions", one_block_off)
     assert first_difference(paged(), reference) != "", "a block table read one block off went unnoticed"
+
+
+# ---------------------------------------------------------------------------------------------
+# 5) Prefix caching (Part 4): a shared prompt's blocks computed once, and not one token changed
+#
+# A request may take into its block table full blocks that another request's forward wrote, and
+# feed only the rest. That may change when tokens come, never which: every answer must still be
+# the reference's, computed one request at a time through the plain forward. The workload holds each
+# way a block is shared: a system prompt most requests start with, two identical prompts, a prompt
+# that shares only part of a block, a late request whose sharers have all left (their blocks free,
+# kept), and, in the tight pool, blocks evicted and reused and sharers preempted.
+
+SYSTEM = random_prompt(random.Random(7), 20)  # 20 tokens: whole blocks of 1 and 3 positions, one of 16 and 4 over
+
+
+def shared_prefix_workload():
+    """(requests, eos_id, the reference's completions): greedy and sampled requests that share SYSTEM."""
+    rng = random.Random(8)
+    requests = [Request(SYSTEM + random_prompt(rng, rng.randint(1, 6)), rng.randint(1, 10), 0.8 * (i % 2), None,
+                        seed=i, arrival=i // 2) for i in range(10)]
+    requests += [Request(list(requests[0].prompt), 8, arrival=5),  # identical to request 0's
+                 Request(SYSTEM[:7] + random_prompt(rng, 4), 6, arrival=5),  # shares 7 tokens: part of a block
+                 Request(SYSTEM + random_prompt(rng, 3), 6, 0.8, None, seed=12, arrival=40)]  # after all have left
+    return requests, None, generate_sequential(tiny_gpt(), requests, max_len=MAX_LEN, eos_id=None)
+
+
+@pytest.fixture(scope="module")
+def shared_prefix():
+    return shared_prefix_workload()
+
+
+def served_with_prefix_cache(model, requests, n_slots, kv_blocks, block_size, prefill_chunk, monkeypatch, check):
+    """generate with the prefix cache, check(report, pool) after every step -> (completions, reports, pool,
+    the steps at which a kept block was evicted)."""
+    pools, reports, evicted_at = [], [], []
+    monkeypatch.setattr(nanobatch, "PrefixCache", lambda *args: pools.append(nanobatch_PrefixCache(*args)) or pools[-1])
+
+    def take_block(pool):  # PrefixCache.take_block, noting each eviction
+        if pool.free_blocks and pool.free_blocks[0] in pool.key_of:
+            evicted_at.append(len(reports))
+        return REAL_PREFIX_CACHE["take_block"](pool)
+
+    monkeypatch.setattr(nanobatch_PrefixCache, "take_block", take_block, raising=False)
+
+    def on_step(report):
+        reports.append(report)
+        check(report, pools[0])
+
+    got = generate(model, requests, n_slots=n_slots, max_len=MAX_LEN, eos_id=None, prefill_chunk=prefill_chunk,
+                   on_step=on_step, kv_blocks=kv_blocks, kv_block_size=block_size, prefix_cache=True)
+    return got, reports, pools[0], evicted_at
+
+
+nanobatch_PrefixCache = nanobatch.PrefixCache  # the real one, before a test wraps it
+REAL_PREFIX_CACHE = dict(vars(nanobatch_PrefixCache))  # and its methods, before a test replaces one
+
+
+def check_shared_blocks(report, pool):
+    """The bookkeeping of one step: each block's count of tables is the tables that list it; no block
+    listed by two tables is written; a kept block is listed by none."""
+    listed = Counter(block for table in report.block_tables for block in table)
+    assert [listed[block] for block in range(len(pool.n_tables))] == pool.n_tables, f"step {report.step}: counts"
+    if report.packed is not None:
+        block_size = pool.block_size
+        written = report.packed.block_tables[report.packed.slots, report.packed.positions // block_size].tolist()
+        shared = sorted({block for block in written if listed[block] > 1})
+        assert not shared, f"step {report.step}: blocks {shared} written while two requests hold them"
+    assert not set(report.cached_free) & set(listed), f"step {report.step}: a kept block is held"
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 5])
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("pool", ["ample", "tight"])
+def test_prefix_cache_equals_sequential(gpt, shared_prefix, block_size, prefill_chunk, pool, monkeypatch):
+    """With the prefix cache, the reference's tokens and finish reasons, greedy and sampled, whole and
+    chunked, blocks of 1, 3 and 16: and every kind of sharing happened. Ample: the late request
+    found the blocks its sharers left, free and kept. Tight (a pool of one and a half sequences, 4
+    slots): kept blocks were evicted and reused, a request found blocks after an eviction, and
+    sharers were preempted; but for blocks of 16 and whole prompts, where the pool's 3 blocks serve
+    one request at a time beside SYSTEM's block, which is never free to evict."""
+    requests, eos_id, reference = shared_prefix
+    kv_blocks = pool_size(pool, 4, block_size)
+    got, reports, used, evicted_at = served_with_prefix_cache(gpt, requests, 4, kv_blocks, block_size, prefill_chunk,
+                                                              monkeypatch, check_shared_blocks)
+    assert first_difference(got, reference) == ""
+    assert sorted(used.free_blocks) == list(range(kv_blocks)) and not any(used.n_tables), "blocks not given back"
+    assert not used.holders
+    found = {i: n for report in reports for i, n in zip(report.admitted, report.found_cached)}
+    assert found[10] >= (len(SYSTEM) // block_size) * block_size, "the identical prompt found less than SYSTEM"
+    n_rows = Counter(i for report in reports for i in report.sampled)
+    assert [n_rows[i] for i in range(len(requests))] == [len(c.tokens) for c in got], "a token sampled twice"
+    if pool == "ample":
+        assert found[12] > 0 and not evicted_at, "the late request found nothing its sharers left"
+    elif (block_size, prefill_chunk) != (16, None):  # there, 3 blocks serve one request at a time beside SYSTEM's
+        hits_after = [n for report in reports[evicted_at[0] + 1:] for n in report.found_cached] if evicted_at else []
+        assert any(hits_after), "no hit after an eviction"
+        assert sum(len(report.preempted) for report in reports) >= 1, "no sharer preempted"
+
+
+def served_prefix_cached(model, requests, **options):
+    """generate with the prefix cache, stopped after 300 steps (a run that never ends is a defect too)."""
+    def at_most_300(report):
+        if report.step > 300:
+            raise RuntimeError("still running after 300 steps")
+    return generate(model, requests, max_len=MAX_LEN, eos_id=None, on_step=at_most_300, prefix_cache=True, **options)
+
+
+def test_a_key_that_ignores_the_parent_is_caught(gpt, monkeypatch):
+    """Teeth: keys made of a block's tokens alone. B's first block has the tokens of A's third, at
+    other positions after another prefix: B must not take it, and the answers show it if it does."""
+    rng = random.Random(9)
+    a, b_tail = random_prompt(rng, 12), random_prompt(rng, 5)
+    requests = [Request(a, 4), Request(a[6:9] + b_tail, 6, arrival=3)]
+    reference = generate_sequential(gpt, requests, max_len=MAX_LEN, eos_id=None)
+    options = dict(n_slots=2, kv_blocks=24, kv_block_size=3)
+    assert first_difference(served_prefix_cached(gpt, requests, **options), reference) == "", "the engine is broken"
+
+    def keys_of_tokens_alone(pool, run, n_blocks):
+        return [(None, key[1]) for key in REAL_PREFIX_CACHE["keys"](pool, run, n_blocks)]
+
+    monkeypatch.setattr(nanobatch_PrefixCache, "keys", keys_of_tokens_alone)
+    assert first_difference(served_prefix_cached(gpt, requests, **options), reference) != "", \
+        "a key that ignores its parent went unnoticed"
+
+
+def test_a_block_matched_before_its_forward_is_caught(gpt, monkeypatch):
+    """Teeth: key a block as soon as its tokens are known, before the forward that writes all of it
+    has run. B, admitted while A's prompt goes in in chunks, takes A's half-written last block, which
+    A then writes while B holds it: the step's bookkeeping must catch it."""
+    prompt = random_prompt(random.Random(10), 24)
+    requests = [Request(prompt, 4), Request(prompt, 4, arrival=1)]
+    options = dict(n_slots=2, kv_blocks=24, block_size=3, prefill_chunk=5)
+    served_with_prefix_cache(gpt, requests, **options, monkeypatch=monkeypatch, check=check_shared_blocks)
+
+    def key_when_known(pool, runs):  # PrefixCache.key_written, a partly written last block keyed too
+        for run in runs:
+            n_known = -(-run.n_cached // pool.block_size)
+            for block, key in zip(run.block_table, REAL_PREFIX_CACHE["keys"](pool, run, n_known)):
+                if key not in pool.block_with:
+                    pool.key_of[block], pool.block_with[key] = key, block
+
+    monkeypatch.setattr(nanobatch_PrefixCache, "key_written", key_when_known)
+    with pytest.raises(AssertionError, match="written while two requests hold them"):
+        served_with_prefix_cache(gpt, requests, **options, monkeypatch=monkeypatch, check=check_shared_blocks)
+
+
+def test_a_hit_that_skips_the_last_prompt_token_is_caught(gpt, monkeypatch):
+    """Teeth: let a hit run to the end of the prompt. A prompt of whole blocks, found whole, leaves
+    nothing to feed, and no token to sample: the run must fail, not end as if all were well (here
+    plan_step, taking it for a decoding request, finds no newest token)."""
+    prompt = random_prompt(random.Random(11), 12)
+    requests = [Request(prompt, 4), Request(prompt, 4, arrival=8)]
+    options = dict(n_slots=2, kv_blocks=24, kv_block_size=3)
+    served_prefix_cached(gpt, requests, **options)
+    real_keys = REAL_PREFIX_CACHE["keys"]
+
+    def one_block_more(pool, run, n_blocks):
+        return real_keys(pool, run, (len(run.request.prompt) + len(run.tokens)) // pool.block_size)
+
+    monkeypatch.setattr(nanobatch_PrefixCache, "keys", one_block_more)
+    with pytest.raises((IndexError, RuntimeError)):
+        served_prefix_cached(gpt, requests, **options)
