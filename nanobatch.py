@@ -661,7 +661,6 @@ class PrefixCache(BlockPool):
         if super().admit(run, slot, belt, prefill_chunk):
             return True
         self.release(run)  # it waits, holding nothing
-        run.n_cached = 0
         return False
 
     def hold(self, block):  # one more table lists block; a kept free block is free no more
@@ -687,13 +686,13 @@ class PrefixCache(BlockPool):
             elif self.n_tables[block] == 0:
                 self.cache.clear([block], self.block_size)
                 self.free_blocks.appendleft(block)
-        run.block_table = []
+        run.block_table, run.n_cached = [], 0
 
     def vacate(self, run, belt):  # as BlockPool's, but what forwards wrote for it is kept, matchable
         self.key_written([run])
         self.release(run)
         self.holders.remove(run)
-        run.n_cached, belt[run.slot] = 0, None
+        belt[run.slot] = None
 
     @property
     def kept(self):  # free blocks that keep their keys, least recently used first
