@@ -36,6 +36,8 @@ REQUIRED = {
     "attention_mask", "KVCache", "KVCache.clear", "PrefillWorker", "Handover", "KVCache.send",
     "BlockPool", "BlockPool.admit", "BlockPool.make_room", "BlockPool.vacate", "Running.block_table",
     "PackedStep.block_tables", "summarize", "sample", "split_at_cut", "attention_cut",
+    "PrefixCache", "PrefixCache.keys", "PrefixCache.key_written", "PrefixCache.admit", "PrefixCache.release",
+    "PrefixCache.vacate", "PrefixCache.take_block", "Running.n_found", "StepReport.found_cached",
 }
 NAME_FORM = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)?(\([A-Za-z_]\w*\))?")  # f, C.m, f(param), C.m(param)
 VERSION_FORM = re.compile(r"\btag v\d+(\.\d+)+\b|\bcommit [0-9a-f]{7,40}\b")
