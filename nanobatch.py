@@ -1000,26 +1000,27 @@ def fail(message):
 
 def check_runs(model, requests, runs, args, eos_id):
     """What generate would refuse in any of the runs, refused in one line before anything is printed."""
-    for _, n_slots, policy, prefill_chunk, disaggregate, kv_blocks in runs:
+    for _, n_slots, policy, prefill_chunk, disaggregate, kv_blocks, prefix_cache in runs:
         try:
             check_arguments(model, requests, n_slots, args.max_len or model.config.block_size, eos_id, policy,
-                            prefill_chunk, disaggregate, kv_blocks, args.kv_block_size)
+                            prefill_chunk, disaggregate, kv_blocks, args.kv_block_size, prefix_cache)
         except ValueError as e:
             fail(e)
 
 
 def run_all(model, requests, runs, args, eos_id, show_belt):
     """Serve the same requests once per run, (name, n_slots, policy, prefill_chunk, disaggregate,
-    kv_blocks) -> ({name: summarize(...)}, {name: completions}, {name: step reports}); args.max_len and
+    kv_blocks, prefix_cache) -> ({name: summarize(...)}, {name: completions}, {name: step reports}); args.max_len and
     args.kv_block_size hold for every run. Ctrl-C prints the figures so far, exits 130."""
     check_runs(model, requests, runs, args, eos_id)
     summaries, completions, all_reports = {}, {}, {}
-    for name, n_slots, policy, prefill_chunk, disaggregate, kv_blocks in runs:
+    for name, n_slots, policy, prefill_chunk, disaggregate, kv_blocks, prefix_cache in runs:
         where = f"; {placement(model.lm_head.weight.device)}" if disaggregate else ""
         if show_belt:
             prompt_mark = "with the prefill worker; '>A': A's keys and values handed over" if disaggregate else \
                 "not all in yet"
             paged = f", a pool of {kv_blocks} blocks of {args.kv_block_size} ('!K': K preempted)" if kv_blocks else ""
+            paged += ", a prefix cache ('+K(N found)': K found N positions cached)" if prefix_cache else ""
             print(f"\n== {name}: {len(requests)} requests, {n_slots} slots{paged} (letter: the request that made a "
                   f"token in that slot; '~': its prompt {prompt_mark}; '.': a slot doing no useful work){where}")
         elif disaggregate:
@@ -1037,7 +1038,7 @@ def run_all(model, requests, runs, args, eos_id, show_belt):
             completions[name] = generate(model, requests, n_slots=n_slots, max_len=args.max_len, eos_id=eos_id,
                                          policy=policy, prefill_chunk=prefill_chunk, on_step=on_step,
                                          disaggregate=disaggregate, kv_blocks=kv_blocks,
-                                         kv_block_size=args.kv_block_size)
+                                         kv_block_size=args.kv_block_size, prefix_cache=prefix_cache)
         except KeyboardInterrupt:  # the figures so far: who finished, the steps' reports say
             finished = [None] * len(requests)
             for report in reports:
@@ -1129,6 +1130,7 @@ DEMO_PROMPTS = ["The capital of France is", "Once upon a time, in a small villag
                 "The three primary colors are", "My favourite recipe for pancakes", "In 1969, the first humans",
                 "The quick brown fox", "Dear hiring manager,", "The best way to learn a language is",
                 "Q: What is continuous batching?\nA:", "The weather today is", "Breaking news:"]
+DEMO_SYSTEM = "You are a helpful assistant. Answer in plain words, briefly, and say so when you do not know.\n\n"
 DEMO_PREFILL_CHUNK = 32  # prompt tokens a step in --demo: a 40-token prompt takes two steps, seen as '~'
 
 
@@ -1136,7 +1138,7 @@ DEMO_PREFILL_CHUNK = 32  # prompt tokens a step in --demo: a 40-token prompt tak
 class Shown:
     """What --demo or --prompt ran, for tools/belt_svg.py and tools/explore.py to draw."""
     requests: list[Request]
-    runs: list[tuple]  # (name, n_slots, policy, prefill_chunk, disaggregate, kv_blocks): run_all's runs, in order
+    runs: list[tuple]  # (name, n_slots, policy, prefill_chunk, disaggregate, kv_blocks, prefix_cache): run_all's
     completions: dict  # {run name: its Completions}
     summaries: dict  # {run name: summarize(...)}
     reports: dict  # {run name: its StepReports, without logits; each keeps its PackedStep}
@@ -1164,21 +1166,28 @@ def demo(args):
     rng = random.Random(args.seed + 1)
     prompts = [tokenizer.encode(DEMO_PROMPTS[i % len(DEMO_PROMPTS)]) if tokenizer else
                [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(4, 40))] for i in range(n_requests)]
+    if args.prefix_cache:  # Part 4: every prompt after one system prompt (offline, 48 random tokens)
+        system = tokenizer.encode(DEMO_SYSTEM) if tokenizer else [rng.randrange(model.config.vocab_size) for _ in range(48)]
+        prompts = [system + prompt for prompt in prompts]
     # A first wave fills the belt and queues up; the rest arrive, one every other step, while it runs.
     requests = [Request(prompt, max_new, args.temperature, args.top_k, seed=args.seed + i,
                         arrival=0 if i < first_wave else 2 * (i - first_wave + 1))
                 for i, (prompt, max_new) in enumerate(zip(prompts, lengths))]
     # Disaggregated, the continuous run's prompts go to the worker, whole unless told otherwise. Paged
-    # (Part 3; refused disaggregated, as generate refuses it), the second run is per slot in the same memory.
+    # (Part 3; refused disaggregated, as generate refuses it), the second run is per slot in the same memory;
+    # with the prefix cache (Part 4), it is the same pool without the cache.
     prefill_chunk = args.prefill_chunk or DEMO_PREFILL_CHUNK
-    name = "paged" if args.kv_blocks else "disaggregated" if args.disaggregate else "continuous"
+    name = "prefix cache" if args.prefix_cache else "paged" if args.kv_blocks else \
+        "disaggregated" if args.disaggregate else "continuous"
     runs = [(name, args.slots, "continuous", args.prefill_chunk if args.disaggregate else prefill_chunk,
-             args.disaggregate, args.kv_blocks)]
+             args.disaggregate, args.kv_blocks, args.prefix_cache)]
     n_positions, max_len = (args.kv_blocks or 0) * args.kv_block_size, args.max_len or model.config.block_size
     if not args.kv_blocks:
-        runs.append(("static", args.slots, "static", prefill_chunk, False, None))
+        runs.append(("static", args.slots, "static", prefill_chunk, False, None, False))
+    elif args.prefix_cache:
+        runs.append(("no prefix cache", args.slots, "continuous", prefill_chunk, False, args.kv_blocks, False))
     elif n_positions >= max_len:  # as many slots of max_len as the pool's positions make
-        runs.append(("per slot", n_positions // max_len, "continuous", prefill_chunk, False, None))
+        runs.append(("per slot", n_positions // max_len, "continuous", prefill_chunk, False, None, False))
     summaries, completions, reports = run_all(model, requests, runs, args, EOT, show_belt=not args.quiet)
     if tokenizer:
         print_texts(tokenizer, requests, completions[name])
@@ -1189,7 +1198,8 @@ def demo(args):
             print(f"  {run_name}, {n_slots} slot{'s' * (n_slots > 1)}: up to "
                   f"{max(report.n_running for report in reports[run_name])} requests made a token in one step; "
                   f"{summary['steps']} steps, median TTFT {summary['TTFT P50/P99 (steps)'][0]} steps, "
-                  f"{summary['preemptions']} preemptions")
+                  f"{summary['preemptions']} preemptions, "
+                  f"{sum(report.n_prompt_tokens for report in reports[run_name])} prompt tokens computed")
     else:
         cont, stat = summaries[name], summaries["static"]
         print(f"\nThe rows to compare: steps and TTFT. The same {cont['generated tokens']} tokens took "
@@ -1211,7 +1221,7 @@ def prompt_mode(args):
     requests = [Request(tokenizer.encode(text), args.max_new_tokens, args.temperature, args.top_k,
                         seed=args.seed + i) for i, text in enumerate(args.prompt)]
     name = "disaggregated" if args.disaggregate else args.policy
-    run = (name, args.slots, args.policy, args.prefill_chunk, args.disaggregate, args.kv_blocks)
+    run = (name, args.slots, args.policy, args.prefill_chunk, args.disaggregate, args.kv_blocks, args.prefix_cache)
     summaries, completions, reports = run_all(model, requests, [run], args, EOT, show_belt=not args.quiet)
     print_texts(tokenizer, requests, completions[name])
     print_table(summaries, legend=True)
@@ -1267,6 +1277,8 @@ OPTIONS = {  # each option of nanobatch.py and tools/ once: name -> (argparse's 
     "kv_blocks": (dict(type=positive(int), metavar="N", help="a paged cache: N blocks that the slots share (--demo: "
                                                     "paged, then per slot in the same memory)"), None),
     "kv_block_size": (dict(type=positive(int), metavar="N", help="positions a block, with --kv-blocks (16)"), 16),
+    "prefix_cache": (dict(action="store_true", help="with --kv-blocks: requests share the cached blocks of a common "
+                          "prefix (--demo: a system prompt for all, with the cache, then without)"), False),
 }
 SERVING = {"slots", "max_len", "prefill_chunk", "disaggregate", "seed", "device", "dtype", "kv_blocks", "kv_block_size"}
 
@@ -1278,8 +1290,9 @@ def parse_args(parser, argv, names):
     typed = vars(parser.parse_args(argv))
     if "quick" in typed and "weights" in typed:
         parser.error("--weights does not apply to --quick, which runs a tiny random model")
-    if "kv_block_size" in typed and "kv_blocks" not in typed:
-        parser.error("--kv-block-size applies to a paged cache only: give --kv-blocks too")
+    for option in ("kv_block_size", "prefix_cache"):
+        if option in typed and "kv_blocks" not in typed:
+            parser.error(f"--{option.replace('_', '-')} applies to a paged cache only: give --kv-blocks too")
     args = argparse.Namespace(**{**{name: OPTIONS[name][1] for name in names}, **typed})
     args.device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = getattr(torch, args.dtype)
@@ -1298,8 +1311,9 @@ def run_cli(run, args):
 
 
 MODES = {  # --MODE: the function that runs it (it returns what it ran: Shown), its options
-    "demo": (demo, SERVING | {"quick", "weights", "temperature", "top_k", "quiet"}),
-    "prompt": (prompt_mode, SERVING | {"weights", "max_new_tokens", "temperature", "top_k", "policy", "quiet"}),
+    "demo": (demo, SERVING | {"quick", "weights", "temperature", "top_k", "quiet", "prefix_cache"}),
+    "prompt": (prompt_mode, SERVING | {"weights", "max_new_tokens", "temperature", "top_k", "policy", "quiet",
+                                       "prefix_cache"}),
 }
 MOVED = {"bench": "python tools/bench.py", "verify": "python tools/verify.py",
          "svg": "python tools/belt_svg.py FILE (with the options of --demo or --prompt)"}

@@ -87,6 +87,9 @@ BAD_INPUTS = [  # (what is wrong, fields of the second Request, generate's argum
     ("blocks of no position", {}, dict(kv_blocks=8, kv_block_size=0), r"kv_block_size must be"),
     ("kv_block_size None", {}, dict(kv_blocks=8, kv_block_size=None), r"kv_block_size must be"),
     ("kv_block_size without a pool", {}, dict(kv_block_size=8), r"kv_block_size=8 applies to a paged cache only"),
+    ("a prefix cache without a pool", {}, dict(prefix_cache=True), r"prefix_cache must be True or False, and True "
+                                                                    r"needs kv_blocks, got True"),
+    ("prefix_cache not a bool", {}, dict(kv_blocks=8, prefix_cache=1), r"prefix_cache must be True or False"),
     ("paged static", {}, dict(policy="static", kv_blocks=8), r"kv_blocks needs policy='continuous'"),
     ("paged disaggregated", {}, dict(disaggregate=True, kv_blocks=8), r"and disaggregate=False"),
     # 3 + 30 positions, in blocks of 16: 3 blocks, and the pool has 2. With fewer blocks than its own
@@ -108,7 +111,7 @@ def test_bad_input_is_refused(gpt2_vocab, fields, arguments, name):
     with pytest.raises(ValueError, match=name):
         generate(gpt2_vocab, requests, on_step=steps.append, **arguments)
     assert steps == [], "it failed halfway, after serving steps"
-    if not {"n_slots", "policy", "disaggregate", "kv_blocks", "kv_block_size"} & arguments.keys():  # the reference
+    if not {"n_slots", "policy", "disaggregate", "kv_blocks", "kv_block_size", "prefix_cache"} & arguments.keys():  # the reference
         # refuses the same requests
         with pytest.raises(ValueError, match=name):
             generate_sequential(gpt2_vocab, requests, **arguments)

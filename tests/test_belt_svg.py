@@ -276,7 +276,7 @@ def test_bench_warms_each_way_of_serving_up_before_timing_it(monkeypatch):
     calls = []
     monkeypatch.setattr(bench, "generate", lambda model, requests, **kw: calls.append(
         ("untimed", len(requests), kw["n_slots"], kw["policy"], kw["prefill_chunk"], kw["disaggregate"],
-         kw["kv_blocks"])))
+         kw["kv_blocks"], kw["prefix_cache"])))
 
     def timed(model, requests, runs, args, eos_id, show_belt):
         calls.extend(("timed", len(requests), *run[1:]) for run in runs)
@@ -292,8 +292,8 @@ def test_bench_warms_each_way_of_serving_up_before_timing_it(monkeypatch):
     untimed = [call[2:] for call in calls if call[0] == "untimed"]
     timed_runs = [call[2:] for call in calls if call[0] == "timed"]
     assert calls[:len(untimed)] == [c for c in calls if c[0] == "untimed"], "a timed run before the warm-up"
-    assert untimed == timed_runs == [(3, "continuous", 5, False, None), (3, "static", 5, False, None),
-                                     (1, "continuous", 5, False, None), (3, "continuous", 5, True, None)], calls
+    assert untimed == timed_runs == [(3, "continuous", 5, False, None, False), (3, "static", 5, False, None, False),
+                                     (1, "continuous", 5, False, None, False), (3, "continuous", 5, True, None, False)], calls
     assert {call[1] for call in calls if call[0] == "untimed"} == {2}, "the warm-up is not two short requests"
 
 

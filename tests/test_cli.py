@@ -127,6 +127,8 @@ def test_gpu_check_on_the_cpu(tmp_path):
     (["--demo", "--kv-blocks", "0"], "nanobatch.py: error: argument --kv-blocks: must be > 0, got 0"),
     (["--demo", "--kv-block-size", "8"],
      "nanobatch.py: error: --kv-block-size applies to a paged cache only: give --kv-blocks too"),
+    (["--demo", "--prefix-cache"],
+     "nanobatch.py: error: --prefix-cache applies to a paged cache only: give --kv-blocks too"),
     ((verify, "--kv-block-size", "16"),
      "tools/verify.py: error: --kv-block-size applies to a paged cache only: give --kv-blocks too"),
     ((belt_svg, "--slots", "4", "belt.svg"), "tools/belt_svg.py: error: the following arguments are required: FILE"),

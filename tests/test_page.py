@@ -150,7 +150,7 @@ def explored(monkeypatch, name):
     calls = record_forwards(monkeypatch)
     completions = generate(tiny_gpt(), requests, max_len=MAX_LEN, eos_id=None, on_step=reports.append, **options)
     run = (name, options["n_slots"], options["policy"], options["prefill_chunk"], options.get("disaggregate", False),
-           options.get("kv_blocks"))
+           options.get("kv_blocks"), options.get("prefix_cache", False))
     return explore.run_data(run, requests, completions, reports), reports, calls
 
 
@@ -656,7 +656,7 @@ def run_by_hand(name):
             monkeypatch.setattr(nanobatch, "attention_mask", sees_one_past_its_own)
         completions = generate(tiny_gpt(), hand_worked_requests(), n_slots=2, eos_id=None, on_step=reports.append,
                                **options)
-    run = (name, 2, options["policy"], None, options.get("disaggregate", False), options.get("kv_blocks"))
+    run = (name, 2, options["policy"], None, options.get("disaggregate", False), options.get("kv_blocks"), False)
     return run, completions, reports
 
 

@@ -47,10 +47,10 @@ def bench(args):
     if args.paged:
         return paged_attention(model, args)
     requests = main_workload(model, args, args.slots)
-    runs = [("continuous", args.slots, "continuous", args.prefill_chunk, False, None),
-            ("static", args.slots, "static", args.prefill_chunk, False, None),
-            ("sequential", 1, "continuous", args.prefill_chunk, False, None)]
-    runs += [("disaggregated", args.slots, "continuous", args.prefill_chunk, True, None)] if args.disaggregate else []
+    runs = [("continuous", args.slots, "continuous", args.prefill_chunk, False, None, False),
+            ("static", args.slots, "static", args.prefill_chunk, False, None, False),
+            ("sequential", 1, "continuous", args.prefill_chunk, False, None, False)]
+    runs += [("disaggregated", args.slots, "continuous", args.prefill_chunk, True, None, False)] if args.disaggregate else []
     warm_up(model, requests, runs, args)
     # eos_id=None: every answer runs to its drawn length, so real weights see the same workload.
     summaries, _, reports = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
@@ -58,7 +58,7 @@ def bench(args):
     # belt of them never idles. While requests wait, continuous should come close to its rate.
     mean_length = round(sum(r.max_new_tokens for r in requests) / len(requests))
     packable = [Request(r.prompt, mean_length, arrival=r.arrival) for r in requests]
-    packable_run = ("packable", args.slots, "continuous", args.prefill_chunk, False, None)
+    packable_run = ("packable", args.slots, "continuous", args.prefill_chunk, False, None, False)
     summaries.update(run_all(model, packable, [packable_run], args, eos_id=None, show_belt=False)[0])
     print_table(summaries, legend=True)
     cont, stat, seq, ideal = (summaries[name] for name in ("continuous", "static", "sequential", "packable"))
@@ -137,9 +137,9 @@ def long_prompts(model, args):
     print(f"\nlong prompts: {n_requests} requests arriving one every other step, {sum(is_long)} of them with "
           f"{long_len}-token prompts, the rest 4-16; whole prompts, chunks of {chunk}, and disaggregated (whole "
           f"prompts on a prefill worker)")
-    runs = [("whole prompts", args.slots, "continuous", None, False, None),
-            (f"chunks of {chunk}", args.slots, "continuous", chunk, False, None),
-            ("disaggregated", args.slots, "continuous", None, True, None)]
+    runs = [("whole prompts", args.slots, "continuous", None, False, None, False),
+            (f"chunks of {chunk}", args.slots, "continuous", chunk, False, None, False),
+            ("disaggregated", args.slots, "continuous", None, True, None, False)]
     warm_up(model, requests, runs, args)
     summaries, completions, reports = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
     print_table(summaries)
@@ -159,10 +159,10 @@ def warm_up(model, requests, runs, args):
     tokens: the first call of a kernel (cuBLAS's set-up, a second GPU's context and weights) must not
     be timed as the work's. The workload is checked first, so that bad input is one line."""
     check_runs(model, requests, runs, args, eos_id=None)
-    for _, n_slots, policy, prefill_chunk, disaggregate, kv_blocks in runs:
+    for _, n_slots, policy, prefill_chunk, disaggregate, kv_blocks, prefix_cache in runs:
         generate(model, [replace(r, max_new_tokens=2) for r in requests[:2]], n_slots=n_slots, max_len=args.max_len,
                  eos_id=None, policy=policy, prefill_chunk=prefill_chunk, disaggregate=disaggregate,
-                 kv_blocks=kv_blocks, kv_block_size=args.kv_block_size)
+                 kv_blocks=kv_blocks, kv_block_size=args.kv_block_size, prefix_cache=prefix_cache)
 
 
 def step_times(reports, completions):
@@ -325,19 +325,19 @@ def same_memory(model, requests, args, n_slots, max_len, n_blocks, rows, prefill
     group warmed up, then timed -> ({name: summarize(...)}, {name: EXTRA_ROWS' figures})."""
     # Per slot, generate takes no block size without a pool: those runs keep the default it expects.
     per_slot_args = argparse.Namespace(**{**vars(args), "max_len": max_len, "kv_block_size": 16})
-    groups = [(per_slot_args, [(f"per slot {n_slots}x{max_len}", n_slots, "continuous", prefill_chunk, False, None)]),
-              (args, [(f"paged {n} rows", n, "continuous", prefill_chunk, False, n_blocks) for n in rows])]
+    groups = [(per_slot_args, [(f"per slot {n_slots}x{max_len}", n_slots, "continuous", prefill_chunk, False, None, False)]),
+              (args, [(f"paged {n} rows", n, "continuous", prefill_chunk, False, n_blocks, False) for n in rows])]
     n_known, known_len = ceiling
     if n_known:
         known_args = argparse.Namespace(**{**vars(per_slot_args), "max_len": known_len})
         groups.append((known_args, [(f"per slot {n_known}x{known_len}", n_known, "continuous", prefill_chunk, False,
-                                     None)]))
+                                     None, False)]))
     summaries, figures = {}, {}
     for run_args, runs in groups:
         warm_up(model, requests, runs, run_args)
         group, _, reports = run_all(model, requests, runs, run_args, eos_id=None, show_belt=False)
         summaries.update(group)
-        for name, _, _, _, _, kv_blocks in runs:
+        for name, _, _, _, _, kv_blocks, _ in runs:
             positions_per_block = run_args.kv_block_size if kv_blocks else run_args.max_len
             figures[name] = extra_figures(reports[name], positions_per_block, group[name])
     return summaries, figures

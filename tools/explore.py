@@ -81,12 +81,12 @@ def request_data(i, request):
 
 
 def run_data(run, requests, completions, reports, tokenizer=None):
-    """One run, (name, n_slots, policy, prefill_chunk, disaggregate, kv_blocks) as nanobatch.Shown.runs
+    """One run, (name, n_slots, policy, prefill_chunk, disaggregate, kv_blocks, prefix_cache) as nanobatch.Shown.runs
     holds it, with its requests, completions and StepReports -> its part of the page's data. Every
     step's figures come from its StepReport, the cache's too (who sits in each slot, its positions
     held, its block table: after the forward, before phase 7 retires anyone); the belt is drawn from
     the reports too (belts_html), the worker's lane from the completions."""
-    name, n_slots, policy, prefill_chunk, disaggregate, kv_blocks = run  # kv_blocks None: per slot (Part 3)
+    name, n_slots, policy, prefill_chunk, disaggregate, kv_blocks, _ = run  # kv_blocks None: per slot (Part 3)
     occupant = occupants(reports)
     steps = []
     for report in reports:
