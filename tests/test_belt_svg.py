@@ -211,7 +211,7 @@ def test_belt_svg_of_a_paged_run_is_its_reports():
     requests = random_workload(seed=3, n_requests=7)
     reports = []
     generate(tiny_gpt(), requests, n_slots=3, max_len=MAX_LEN, eos_id=None, on_step=reports.append, prefill_chunk=5,
-             kv_blocks=4, kv_block_size=8)
+             kv_blocks=5, kv_block_size=8)
     assert sum(len(r.preempted) for r in reports) >= 2, "the pool is ample: no preemption to draw"
     comebacks = {i for r in reports for i in r.preempted}
     moved = {i for i in comebacks if len({slot for r in reports for slot, j in enumerate(r.occupants) if j == i}) > 1}

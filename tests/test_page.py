@@ -112,7 +112,7 @@ RUNS = {  # name -> generate's options: chunks beside one-token rows; static's p
     "continuous": dict(n_slots=3, policy="continuous", prefill_chunk=5),
     "static": dict(n_slots=3, policy="static", prefill_chunk=5),
     "disaggregated": dict(n_slots=3, policy="continuous", prefill_chunk=None, disaggregate=True),
-    "paged": dict(n_slots=3, policy="continuous", prefill_chunk=5, kv_blocks=4, kv_block_size=8),  # preempts
+    "paged": dict(n_slots=3, policy="continuous", prefill_chunk=5, kv_blocks=5, kv_block_size=8),  # preempts
 }
 
 
