@@ -264,7 +264,7 @@ class SlotBlocks:
     def __init__(self, model, n_slots, max_len):
         self.cache = model.new_cache(n_slots, max_len)  # the one large allocation, reused by every request
 
-    def admit(self, run, slot, belt, prefill_chunk):  # seat run in the free slot if it has room -> whether it did
+    def admit(self, run, slot, belt):  # seat run in the free slot if the cache has room for it -> whether it did
         run.slot, run.block_table, belt[slot] = slot, [slot], run  # per slot, its block waits for it
         return True
 
@@ -300,7 +300,7 @@ def admit_waiting(belt, waiting, policy, blocks, prompts, step):
     them -> the Running requests admitted. Each admitted prompt is sent to whoever feeds the prompts."""
     admitted = []
     for slot in slots_to_fill(belt, policy)[:len(waiting)]:
-        if not blocks.admit(waiting[0], slot, belt, prompts.budget):
+        if not blocks.admit(waiting[0], slot, belt):
             break  # it stays first in line, and nobody passes it
         run = waiting.popleft()
         run.admit_step = step if run.admit_step is None else run.admit_step  # Part 3: taken in again, its first
@@ -540,8 +540,14 @@ class PrefillWorker:
 # gives its blocks back (a bystander, perhaps, not the request short of a block) and returns to the
 # head of the queue with its tokens: preemption by recompute, vLLM's default. It comes back in a
 # later step, never the one that preempted it, into the lowest free slot (not its old one), once the
-# free blocks hold its first feed; until then the queue behind it waits. Taken in again, it feeds
-# its prompt and answer again under the same prompt budget, and its generator carries on.
+# free blocks hold its whole sequence so far; until then the queue behind it waits. Taken in again,
+# it feeds its prompt and answer again under the same prompt budget, and its generator carries on.
+# Admission counts, as vLLM's first scheduler did (v0's can_allocate, with its watermark of free
+# blocks), each request's whole sequence so far and a little room to grow: without that room, a
+# newcomer took the last free blocks and was preempted a step or two later, when a decoding request
+# reached a new block, to feed its prompt all over again (measured in docs/benchmarks.md).
+
+ROOM_TO_GROW = 3  # tokens of growth kept free for each request at admission: the fewest that end the demo's thrash
 
 
 class BlockPool(SlotBlocks):
@@ -562,18 +568,22 @@ class BlockPool(SlotBlocks):
         """Blocks the step's feeds must take: each run's cached positions and what it feeds now."""
         return sum(self.n_blocks_needed(run, run.n_cached + len(ids)) for run, ids in work)
 
-    def admit(self, run, slot, belt, prefill_chunk):
-        """Seat run in the free slot if the free blocks hold all that the step would feed with it on
-        the belt, its own first feed included -> whether it did. If not, the step plans without it."""
-        run.slot, belt[slot] = slot, run
-        fits = self.n_blocks_due(plan_step(belt, prefill_chunk)) <= len(self.free_blocks)
-        if not fits and not self.holders:  # alone and still short, though the input checks saw to it: a bug
+    def admit(self, run, slot, belt):
+        """Seat run in the free slot if the free blocks hold, for it and for each request on the belt,
+        its whole sequence so far (fed or not: a prompt, or a preempted request's prompt and answer) and
+        ROOM_TO_GROW tokens more -> whether it did. That is never less than a step feeds, so a step that
+        admits never preempts."""
+        room = ROOM_TO_GROW if self.holders else 0  # alone, it grows into blocks no one else wants
+        on_belt = [held for held in belt if held is not None] + [run]
+        n_needed = sum(self.n_blocks_needed(held, len(held.request.prompt) + len(held.tokens) + room)
+                       for held in on_belt)
+        if n_needed > len(self.free_blocks) and not self.holders:  # alone, though the input checks saw to it: a bug
             raise RuntimeError(f"{len(self.free_blocks)} free blocks cannot take request {run.request_index} alone")
-        if fits:
-            self.holders.append(run)
-        else:
-            belt[slot] = None
-        return fits
+        if n_needed > len(self.free_blocks):
+            return False
+        run.slot, belt[slot] = slot, run
+        self.holders.append(run)
+        return True
 
     def make_room(self, work, belt, waiting, prefill_chunk):
         """Take the blocks that the step's work needs -> (the work, the request indices preempted).
@@ -648,7 +658,7 @@ class PrefixCache(BlockPool):
                 if key not in self.block_with:
                     self.key_of[block], self.block_with[key] = key, block
 
-    def admit(self, run, slot, belt, prefill_chunk):
+    def admit(self, run, slot, belt):
         """As BlockPool admits, after run takes the longest run of its blocks found in the cache."""
         self.key_written(run for run in belt if run)
         n_matchable = (len(run.request.prompt) + len(run.tokens) - 1) // self.block_size  # before its last token
@@ -658,7 +668,7 @@ class PrefixCache(BlockPool):
             self.hold(self.block_with[key])
             run.block_table.append(self.block_with[key])
         run.n_cached = run.n_found = len(run.block_table) * self.block_size
-        if super().admit(run, slot, belt, prefill_chunk):
+        if super().admit(run, slot, belt):
             return True
         self.release(run)  # it waits, holding nothing
         return False
