@@ -474,7 +474,7 @@ def test_lab_commands_parse(monkeypatch):
                 raise AssertionError(f"lab {number}: a command these checks do not know: {argv}")
         assert "**Predict.**" in lab(number) and "**Why.**" in lab(number), f"lab {number} lacks its parts"
     assert parsed, "no command of nanobatch.py or tools/bench.py was parsed"
-    assert len(text.splitlines()) <= 340, "docs/labs.md is over 340 lines"
+    assert len(text.splitlines()) <= 420, "docs/labs.md is over 420 lines"
     for link in re.findall(r"file:///tmp/belt\.html#[^`\s]+", text):
         assert re.fullmatch(r"file:///tmp/belt\.html#run=(continuous|static)&step=\d+", link), link
     introduction = text[:text.index("\n## Lab 1.")]
@@ -913,11 +913,12 @@ def test_lab_9_what_the_reservation_wastes(main_demo):
     most 64) holds a token in 2% of its positions, 4% at the peak; with max_len 128 in 19% and 35%,
     the same 111 steps. Paged, the same 8,192 positions as 512 blocks of 16 with 32 slots: up to 18
     requests make a token in one step (per slot 8), 86 steps (111), median TTFT 12 steps (21), none
-    preempted. In 24 blocks, 384 positions: 67 preemptions, 108 steps, median TTFT 17."""
+    preempted. In 16 blocks, 256 positions: 2 preemptions, 134 steps, median TTFT 25, and 80 prompt tokens
+    fed again (845 computed, the prompts holding 765)."""
     section = lab(9)
     shown, printed = main_demo
     runs = {options: demo("--quiet", *options) for options in
-            [("--max-len", "128"), ("--kv-blocks", "512", "--slots", "32"), ("--kv-blocks", "24", "--slots", "32")]}
+            [("--max-len", "128"), ("--kv-blocks", "512", "--slots", "32"), ("--kv-blocks", "16", "--slots", "32")]}
     check_excerpt(section, "\n".join([printed] + [output for _, output in runs.values()]))
 
     def figures(shown, name):
@@ -927,7 +928,7 @@ def test_lab_9_what_the_reservation_wastes(main_demo):
                 summary["preemptions"], max(report.n_running for report in shown.reports[name]))
 
     main, short = figures(shown, "continuous"), figures(runs["--max-len", "128"][0], "continuous")
-    paged_run, tight_run = runs["--kv-blocks", "512", "--slots", "32"][0], runs["--kv-blocks", "24", "--slots", "32"][0]
+    paged_run, tight_run = runs["--kv-blocks", "512", "--slots", "32"][0], runs["--kv-blocks", "16", "--slots", "32"][0]
     paged, per_slot, tight = figures(paged_run, "paged"), figures(paged_run, "per slot"), figures(tight_run, "paged")
     n_slots, max_len = shown.runs[0][1], shown.reports["continuous"][0].kv_total // shown.runs[0][1]
     requests = shown.requests
@@ -952,7 +953,7 @@ def test_lab_9_what_the_reservation_wastes(main_demo):
     assert pool == n_slots * max_len
     says(section, r"over the (\d+) slots that memory makes per slot\?", paged_run.runs[1][1])
     assert paged_run.runs[1][1] == pool // max_len, "per slot, the same memory is not 8 slots"
-    says(section, r"In (\d+) blocks \(([\d,]+) positions\), what do the preemptions cost", tight_run.runs[0][5],
+    says(section, r"In (\d+) blocks \(([\d,]+) positions\), how often is a request preempted", tight_run.runs[0][5],
          tight_run.reports["paged"][0].kv_total)
     says(section, r"a request takes a block of (\d+) positions when its tokens reach one", block_size)
     says(section, r"with --slots (\d+), queues all (\d+) requests at step (\d+)", paged_run.runs[0][1],
@@ -965,3 +966,6 @@ def test_lab_9_what_the_reservation_wastes(main_demo):
     says(section, r"In (\d+) blocks the pool runs short: .*?: (\d+) times, (\d+) steps, median TTFT (\d+)\.",
          tight_run.runs[0][5], tight[4], tight[2], tight[3])
     assert [name for name, *_ in tight_run.runs] == ["paged"]
+    fed = sum(report.n_prompt_tokens for report in tight_run.reports["paged"])
+    says(section, r"The prompts hold (\d+) tokens; (\d+) were computed\.", sum(len(r.prompt) for r in requests), fed)
+    says(section, r"whole sequence and (\d+) tokens more", nanobatch.ROOM_TO_GROW)
