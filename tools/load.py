@@ -89,14 +89,14 @@ def predict(workload, n_slots):
     """Where each policy saturates, from the lengths -> {name: (requests a step, how)}. A request holds its
     slot for its answer's length in steps (a whole prompt samples in its own step); static, for its batch's longest."""
     prompts, answers = [len(p) for p, _, _ in workload], [n for _, n, _ in workload]
-    mean, mean_prompt = statistics.mean(answers), statistics.mean(prompts)
+    mean, mean_prompt, rows = statistics.mean(answers), statistics.mean(prompts), PAGED_ROWS * n_slots
     longest = statistics.mean(max(answers[i:i + n_slots]) for i in range(0, len(answers), n_slots))
     waits = statistics.mean(math.ceil(p / CHUNK) - 1 for p in prompts)  # a chunked prompt's steps before it samples
     return {"static": (n_slots / longest, f"{n_slots} slots / {longest:.1f}, each batch's longest answer"),
             "continuous": (n_slots / mean, f"{n_slots} slots / {mean:.2f}, the mean answer"),
             "chunked": (min(n_slots / (mean + waits), CHUNK / mean_prompt), f"{n_slots} / ({mean:.2f} + {waits:.2f} "
                         f"steps before a first token); at most {CHUNK} / {mean_prompt:.2f}, budget / mean prompt"),
-            "paged": (PAGED_ROWS * n_slots / mean, f"{PAGED_ROWS * n_slots} rows / {mean:.2f}: its pool holds them")}
+            "paged": (rows / mean, f"{rows} rows / {mean:.2f}, if its blocks hold them")}
 
 
 def saturations(model, workload, n_slots, predicted):
@@ -119,17 +119,16 @@ def saturations(model, workload, n_slots, predicted):
 # 2) The sweep, 3) capacity under the target, 4) a burst into a steady stream
 
 
-def sweep(model, workload, n_slots, measured, seconds):
-    """Each policy at the rates from a 16th of its saturation to the first past twice it (beyond,
-    latency only tracks the backlog) -> {name: [(rate, figures)]}, printed as they come."""
+def sweep(model, workload, n_slots, rates, seconds):
+    """Each policy at its rates ({name: [requests a step]}) -> {name: [(rate, figures)]}, printed as they come."""
     print(f"\n{'policy':12}{'rate':>6}{'latency P50/P99':>16}{'TTFT P50/P99':>14}{'tokens/step':>12}{'occupancy':>10}"
           f"{'queue':>6}{f'TTFT<={TTFT_TARGET}':>10}" + (f"{'s/step':>8}{'req/s':>7}{'latency (s)':>13}"
                                                       f"{'TTFT P99 s':>11}{'TBT P99 ms':>11}" if seconds else ""))
     curves = {}
-    for name, how in policies(n_slots).items():
+    for name, policy_rates in rates.items():
         curves[name] = []
-        for rate in [r for r in RATES[:1 + sum(r <= 2 * measured[name] for r in RATES)] if r >= measured[name] / 16]:
-            f = serve(model, arriving(workload, rate), how, f"{name} at {rate} a step")[0]
+        for rate in policy_rates:
+            f = serve(model, arriving(workload, rate), policies(n_slots)[name], f"{name} at {rate} a step")[0]
             curves[name].append((rate, f))
             step_s = f["wall time (s)"] / f["steps"]  # requests a step / seconds a step: requests a second
             print(f"{name:12}{rate:>6.2f}{'%d / %d' % f['latency']:>16}{'%d / %d' % f['TTFT']:>14}"
@@ -157,7 +156,7 @@ def burst(model, workload, n_slots, seed):
     """The stream: the workload's first N_STREAM requests at half of continuous's predicted saturation,
     holding a share rho of about half the slot-steps; at BURST_AT, 3 x n_slots more at once. Predicted:
     their tokens go through the free share in tokens / (n_slots x (1 - rho)) steps -> (that, {policy:
-    ([(step, queue, batch)], the burst's TTFTs, steps to no queue (None: not while the stream lasts),
+    ({step: (queue, batch)}, the burst's TTFTs, steps to no queue (None: not while the stream lasts),
     steps to its last token)})."""
     rate = n_slots / statistics.mean(n for _, n, _ in workload) / 2
     stream, extra = workload[:N_STREAM], draw(seed + 2, 3 * n_slots, SMALLEST.vocab_size)
@@ -172,7 +171,7 @@ def burst(model, workload, n_slots, seed):
         done = max(c.finish_step for c in completions[N_STREAM:]) - BURST_AT + 1
         drained = next((r.step - BURST_AT for r in reports if BURST_AT <= r.step <= requests[N_STREAM - 1].arrival
                         and not r.n_waiting), None)
-        runs[name] = ([(r.step, r.n_waiting, r.n_running + r.n_prefilling) for r in reports], ttfts, drained, done)
+        runs[name] = ({r.step: (r.n_waiting, r.n_running + r.n_prefilling) for r in reports}, ttfts, drained, done)
         # The stream's waits for a first token before the burst, and after its last token: back to the floor?
         waits = [(r.arrival, c.first_token_step - r.arrival + 1) for r, c in zip(requests, completions[:N_STREAM])]
         before, after = [t for a, t in waits if a < BURST_AT], [t for a, t in waits if a > BURST_AT + done]
@@ -181,10 +180,8 @@ def burst(model, workload, n_slots, seed):
               f"TTFT P50/P99 {percentile(before, 50)} / {percentile(before, 99)} before it" +
               (f", {percentile(after, 50)} / {percentile(after, 99)} after" if after else ""))
     print(f"\n{'step':>6}{'queue':>14}{'batch':>14}{'burst waiting':>15}   (static / continuous; no token yet)")
-    series = {name: {step: (queue, batch) for step, queue, batch in run[0]} for name, run in runs.items()}
     for step in range(BURST_AT - 10, BURST_AT + round(2 * predicted) + 1, 10):
-        cells = [series[name].get(step, (0, 0)) + (sum(BURST_AT + t - 1 > step for t in run[1]),)
-                 for name, run in runs.items()]
+        cells = [run[0].get(step, (0, 0)) + (sum(BURST_AT + t - 1 > step for t in run[1]),) for run in runs.values()]
         print(f"{step:>6}" + "".join(f"{f'{cells[0][i]} / {cells[1][i]}':>{14 + (i == 2)}}" for i in range(3)))
     return predicted, runs
 
@@ -231,7 +228,8 @@ def load_svg(curves, predicted, measured, n_slots, burst_runs, predicted_drain):
                   tag("polygon", points=f"{p:.1f},{y - 8} {p - 5:.1f},{y} {p + 5:.1f},{y}", fill=COLOURS[name],
                       class_="predicted", data_policy=name, data_rate=f"{predicted[name][0]:.3f}")]
     first, last = BURST_AT - 20, BURST_AT + round(3 * predicted_drain)
-    top_queue = 10 * math.ceil(max(q for steps, *_ in burst_runs.values() for s, q, _ in steps if s <= last) / 10) + 10
+    queues = [queue for steps, *_ in burst_runs.values() for step, (queue, _) in steps.items() if step <= last]
+    top_queue = 10 * math.ceil(max(queues) / 10) + 10  # the axis: the longest queue rounded up, and room
     step_x = lambda step: LEFTS[1] + PANEL_W * (step - first) / (last - first)  # noqa: E731
     queue_y = lambda queue: TOP + PANEL_H * (1 - queue / top_queue)  # noqa: E731
     parts += axes(LEFTS[1], step_x, range(first + 20, last + 1, 50), queue_y, range(0, top_queue + 1, 10), "step",
@@ -241,8 +239,7 @@ def load_svg(curves, predicted, measured, n_slots, burst_runs, predicted_drain):
               tag("text", f"predicted: the burst's tokens done in {predicted_drain:.0f} steps", x=step_x(BURST_AT) + 4,
                   y=TOP + 16, font_size=11, fill="#7a6a2a")]
     for name, (steps, _, drained, done) in burst_runs.items():
-        queue_at = {step: queue for step, queue, _ in steps}
-        points = " ".join(f"{step_x(s):.1f},{queue_y(queue_at.get(s, 0)):.1f}" for s in range(first, last + 1))
+        points = " ".join(f"{step_x(s):.1f},{queue_y(steps.get(s, (0, 0))[0]):.1f}" for s in range(first, last + 1))
         x = step_x(min(BURST_AT + done - 1, last))  # the burst's last token, measured
         parts += [tag("polyline", points=points, fill="none", stroke=COLOURS[name], stroke_width=2, class_="queue",
                       data_policy=name, data_drained=drained or "never"),
@@ -272,7 +269,10 @@ def load(args):
           f"{statistics.mean(answers):.2f}); {args.slots} slots; GPT of {model.config.n_layer} x {model.config.n_embd}")
     predicted = predict(workload, args.slots)
     measured = saturations(model, workload, args.slots, predicted)
-    curves = sweep(model, workload, args.slots, measured, seconds=not args.quick)
+    # Each policy from a 16th of its saturation to the first rate past twice it: beyond, latency tracks the backlog.
+    rates = {name: [r for r in RATES[:1 + sum(r <= 2 * rate for r in RATES)] if r >= rate / 16]
+             for name, rate in measured.items()}
+    curves = sweep(model, workload, args.slots, rates, seconds=not args.quick)
     if not args.quick:
         return print("\ncapacity and the burst: steps only, the same on any model: python tools/load.py --quick")
     print(f"\ncapacity: the highest rate whose P99 TTFT is at most {TTFT_TARGET} steps, in requests a step")
