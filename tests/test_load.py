@@ -151,6 +151,20 @@ def test_the_picture_is_drawn_from_the_runs(at_8, burst):
         assert ys[-1] < ys[0], f"{name}: latency does not rise with the rate"  # y grows downward
 
 
+def test_the_readme_states_what_the_tool_measures(at_8, knee, burst):
+    """The README's paragraph under its measured numbers: its figures are the runs' (steps: any machine)."""
+    text = " ".join((REPO / "README.md").read_text().split())
+    predicted, measured, _ = at_8
+    (drain, runs), _ = burst
+    below = knee[0]["continuous"][0][1]
+    figures = (f"static saturates at {measured['static']:.3f} requests a step and continuous at "
+               f"{measured['continuous']:.3f}, as their lengths predict ({predicted['static'][0]:.3f}, "
+               f"{predicted['continuous'][0]:.3f}): {measured['continuous'] / measured['static']:.2f}x, not 3x. "
+               f"Below it continuous's median latency stays {below['latency'][0]} steps; a burst of "
+               f"{len(runs['continuous'][1])} is done in {runs['continuous'][3]} steps (predicted: {drain:.0f})")
+    assert figures in text, f"the README should say: {figures}"
+
+
 def test_the_command_line_refuses_what_does_not_apply(monkeypatch, capsys):
     """--svg draws steps only, with --quick; --weights applies to GPT-2 124M, not to --quick."""
     monkeypatch.setattr(load.nanobatch, "run_cli", lambda run, args: None)
