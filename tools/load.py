@@ -124,9 +124,8 @@ def sweep(model, workload, n_slots, rates, seconds):
     print(f"\n{'policy':12}{'rate':>6}{'latency P50/P99':>16}{'TTFT P50/P99':>14}{'tokens/step':>12}{'occupancy':>10}"
           f"{'queue':>6}{f'TTFT<={TTFT_TARGET}':>10}" + (f"{'s/step':>8}{'req/s':>7}{'latency (s)':>13}"
                                                       f"{'TTFT P99 s':>11}{'TBT P99 ms':>11}" if seconds else ""))
-    curves = {}
+    curves = {name: [] for name in rates}
     for name, policy_rates in rates.items():
-        curves[name] = []
         for rate in policy_rates:
             f = serve(model, arriving(workload, rate), policies(n_slots)[name], f"{name} at {rate} a step")[0]
             curves[name].append((rate, f))
@@ -180,9 +179,10 @@ def burst(model, workload, n_slots, seed):
               f"TTFT P50/P99 {percentile(before, 50)} / {percentile(before, 99)} before it" +
               (f", {percentile(after, 50)} / {percentile(after, 99)} after" if after else ""))
     print(f"\n{'step':>6}{'queue':>14}{'batch':>14}{'burst waiting':>15}   (static / continuous; no token yet)")
-    for step in range(BURST_AT - 10, BURST_AT + round(2 * predicted) + 1, 10):
-        cells = [run[0].get(step, (0, 0)) + (sum(BURST_AT + t - 1 > step for t in run[1]),) for run in runs.values()]
-        print(f"{step:>6}" + "".join(f"{f'{cells[0][i]} / {cells[1][i]}':>{14 + (i == 2)}}" for i in range(3)))
+    for step in range(BURST_AT - 10, BURST_AT + round(2 * predicted) + 1, 10):  # queue, batch, burst without a token
+        (q0, b0, w0), (q1, b1, w1) = (run[0].get(step, (0, 0)) + (sum(BURST_AT + t - 1 > step for t in run[1]),)
+                                      for run in runs.values())
+        print(f"{step:>6}{f'{q0} / {q1}':>14}{f'{b0} / {b1}':>14}{f'{w0} / {w1}':>15}")
     return predicted, runs
 
 
