@@ -28,6 +28,7 @@ import tests.common
 from test_nanobatch import check_clock
 from tests.common import MAX_LEN, REPO, first_difference, random_workload, tiny_gpt
 import bench  # noqa: E402 (tools/, put on the path by tests.common)
+import load  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +173,7 @@ def recorded_masks(model, requests, n_slots):
 # The figures a lab's prose states, read by their phrase
 
 
-NUMBER_WORDS = {"one": 1, "two": 2, "both": 2, "three": 3, "four": 4, "eight": 8, "nine": 9, "twelve": 12}
+NUMBER_WORDS = {"one": 1, "two": 2, "both": 2, "three": 3, "four": 4, "eight": 8, "nine": 9, "ten": 10, "twelve": 12}
 
 
 def prose(section):
@@ -447,20 +448,22 @@ def main_demo():
 
 
 def test_lab_commands_parse(monkeypatch):
-    """Every command the labs give is one a fresh clone takes: nanobatch.py's and tools/bench.py's
-    options parse (parsed only, not run), tools/explore.py takes the demo's, each -k selection names
-    tests of the suite, and the page's deep links are the form tools/explore.py prints. The
-    introduction's figures: nine labs, and --quick's model of 2 layers and 64 dimensions."""
+    """Every command the labs give is one a fresh clone takes: nanobatch.py's, tools/bench.py's and
+    tools/load.py's options parse (parsed only, not run), tools/explore.py takes the demo's, each -k
+    selection names tests of the suite, and the page's deep links are the form tools/explore.py prints.
+    The introduction's figures: ten labs, and --quick's model of 2 layers and 64 dimensions."""
     text = LABS.read_text()
     parsed = []
     monkeypatch.setattr(nanobatch, "run_cli", lambda run, args: parsed.append(args))
     suite_text = "".join(path.read_text() for path in [REPO / "test_nanobatch.py", *(REPO / "tests").glob("*.py")])
-    for number in range(1, 10):
+    for number in range(1, 11):
         for argv in commands(lab(number)):
             if argv[:2] == ["python", "nanobatch.py"]:
                 nanobatch.main(argv[2:])
             elif argv[:2] == ["python", "tools/bench.py"]:
                 bench.main(argv[2:])
+            elif argv[:2] == ["python", "tools/load.py"]:
+                load.main(argv[2:])
             elif argv[:2] == ["python", "tools/explore.py"]:
                 assert (REPO / "tools" / "explore.py").is_file()
                 nanobatch.main(["--demo", *argv[3:]])  # FILE, then the options of --demo
