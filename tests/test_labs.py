@@ -105,7 +105,7 @@ def apply_lab(monkeypatch, section, which=0):
     source holds the diff's lines is compiled again with them changed, in its module's namespace, and
     monkeypatched in, where its module and the proof (test_nanobatch.py) hold it -> its name."""
     path, before, after = diffs(section)[which]
-    module = {"nanobatch.py": nanobatch, "model.py": model_py}[path]
+    module = {"nanobatch.py": nanobatch, "model.py": model_py, "tools/bench.py": bench}[path]
     assert (REPO / path).read_text().count(before) == 1, f"the lab's diff no longer applies to {path}:\n{before}"
     [(owner, name, function)] = [found for found in functions_of(module) if before in source_of(found[2])]
     source = textwrap.dedent(inspect.getsource(function).replace(before, after))
@@ -173,7 +173,7 @@ def recorded_masks(model, requests, n_slots):
 # The figures a lab's prose states, read by their phrase
 
 
-NUMBER_WORDS = {"one": 1, "two": 2, "both": 2, "three": 3, "four": 4, "eight": 8, "nine": 9, "ten": 10, "twelve": 12}
+NUMBER_WORDS = {"one": 1, "two": 2, "both": 2, "three": 3, "four": 4, "eight": 8, "nine": 9, "ten": 10, "eleven": 11, "twelve": 12}
 
 
 def prose(section):
@@ -451,12 +451,12 @@ def test_lab_commands_parse(monkeypatch):
     """Every command the labs give is one a fresh clone takes: nanobatch.py's, tools/bench.py's and
     tools/load.py's options parse (parsed only, not run), tools/explore.py takes the demo's, each -k
     selection names tests of the suite, and the page's deep links are the form tools/explore.py prints.
-    The introduction's figures: ten labs, and --quick's model of 2 layers and 64 dimensions."""
+    The introduction's figures: eleven labs, and --quick's model of 2 layers and 64 dimensions."""
     text = LABS.read_text()
     parsed = []
     monkeypatch.setattr(nanobatch, "run_cli", lambda run, args: parsed.append(args))
     suite_text = "".join(path.read_text() for path in [REPO / "test_nanobatch.py", *(REPO / "tests").glob("*.py")])
-    for number in range(1, 11):
+    for number in range(1, 12):
         for argv in commands(lab(number)):
             if argv[:2] == ["python", "nanobatch.py"]:
                 nanobatch.main(argv[2:])
@@ -972,3 +972,58 @@ def test_lab_9_what_the_reservation_wastes(main_demo):
     fed = sum(report.n_prompt_tokens for report in tight_run.reports["paged"])
     says(section, r"The prompts hold (\d+) tokens; (\d+) were computed\.", sum(len(r.prompt) for r in requests), fed)
     says(section, r"whole sequence and (\d+) tokens more", nanobatch.ROOM_TO_GROW)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lab 11: the system prompt
+
+
+def lab_11_run(monkeypatch):
+    """Lab 11's command, in this process -> (what it printed, {(when, run name): (requests, reports)})."""
+    served, run_all = {}, bench.run_all
+
+    def recording(model, requests, runs, *arguments, **keywords):
+        summaries, completions, reports = run_all(model, requests, runs, *arguments, **keywords)
+        when = "at once" if all(r.arrival == 0 for r in requests) else "arriving"
+        served.update({(when, name): (requests, reports[name]) for name in reports})
+        return summaries, completions, reports
+
+    [argv] = [argv for argv in commands(lab(11)) if argv[:2] == ["python", "tools/bench.py"]]
+    monkeypatch.setattr(bench, "run_all", recording)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        bench.main(argv[2:])
+    return printed.getvalue(), served
+
+
+def test_lab_11_the_system_prompt(monkeypatch):
+    """32 requests that share a 96-token system prompt (6 blocks of 16), 3,384 prompt tokens: arriving
+    one a step, the cache computes 408 (all but the first find the 6 blocks); all at step 0, 1,848
+    (the first wave of 16 rows finds nothing cached before its forward). With the odd requests' first
+    token changed, two prompts that share no block: 504 arriving, 1,848 at once. Each figure of the
+    prose is worked out from the runs' own requests and reports."""
+    section = lab(11)
+    printed, served = lab_11_run(monkeypatch)
+    check_excerpt(section, printed)
+    requests, _ = served["arriving", "cache"]
+    n_system, total = bench.SYSTEM_PROMPT, sum(len(r.prompt) for r in requests)
+    assert all(r.prompt[:n_system] == requests[0].prompt[:n_system] for r in requests), "no shared system prompt"
+    fed = {key: sum(report.n_prompt_tokens for report in reports) for key, (_, reports) in served.items()}
+    n_rows = max(report.n_running for report in served["at once", "cache"][1])
+    assert fed["arriving", "no cache"] == fed["at once", "no cache"] == total
+    assert fed["arriving", "cache"] == total - (len(requests) - 1) * n_system
+    assert fed["at once", "cache"] == total - (len(requests) - n_rows) * n_system
+    says(section, r"serves (\d+) requests here, each a system prompt of (\d+) tokens \((\d+) blocks of (\d+)\)",
+         len(requests), n_system, n_system // 16, 16)
+    says(section, r"([\d,]+) prompt tokens in all, on (\d+) rows", total, n_rows)
+    says(section, r"- (\d+) x (\d+) = (\d+)\. \(2\)", len(requests) - 1, n_system, fed["arriving", "cache"])
+    says(section, r"all (\d+) compute the system prompt, the other (\d+) find it: [\d,]+ - (\d+) x (\d+) = ([\d,]+),",
+         n_rows, len(requests) - n_rows, n_rows, n_system, fed["at once", "cache"])
+    says(section, r"finds the (\d+)\s+blocks", n_system // 16)
+    apply_lab(monkeypatch, section)
+    printed, served = lab_11_run(monkeypatch)
+    check_excerpt(section, printed)
+    fed = {key: sum(report.n_prompt_tokens for report in reports) for key, (_, reports) in served.items()}
+    requests, _ = served["arriving", "cache"]
+    assert len({tuple(r.prompt[:n_system]) for r in requests}) == 2, "not two system prompts"
+    says(section, r"each is computed once: [\d,]+ - (\d+) x (\d+) = (\d+); at once, still ([\d,]+)\.",
+         len(requests) - 2, n_system, fed["arriving", "cache"], fed["at once", "cache"])

@@ -439,8 +439,8 @@ def prefix_caching(model, args):
         print_table(summaries)
         (cached, plain), fed = summaries.values(), [sum(r.n_prompt_tokens for r in reports[name]) for name, *_ in runs]
         print(f"prompt tokens computed: {fed[0]} with the cache, {fed[1]} without ({fed[0] / fed[1]:.0%}); "
-              f"tokens/s {cached['tokens/s'] / plain['tokens/s']:.2f}x; requests at once: "
-              + ", ".join(str(max(r.n_running for r in reports[name])) for name, *_ in runs))
+              f"requests at once: {', '.join(str(max(r.n_running for r in reports[name])) for name, *_ in runs)}")
+        print(f"tokens/s with the cache / without: {cached['tokens/s'] / plain['tokens/s']:.2f}x")
     return []
 
 
