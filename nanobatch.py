@@ -44,7 +44,7 @@ POLICIES = ("continuous", "static")
 EOT = 50256  # <|endoftext|>: GPT-2 ends a text with it
 
 # ---------------------------------------------------------------------------------------------
-# Part 1, continuous batching. The data: what a caller sends, what it gets back, what a step reports
+# Part 1, continuous batching. The data: what a caller sends, and what it gets back
 
 
 @dataclass
@@ -828,7 +828,7 @@ def check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_c
 
 
 # ---------------------------------------------------------------------------------------------
-# The figures of a run, and the belt on screen: for --demo, --prompt and tools/bench.py
+# What a step reports, the figures of a run, and the belt on screen: for --demo, --prompt and tools/
 
 
 def letter(request_index):
