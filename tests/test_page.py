@@ -1049,8 +1049,9 @@ def check_cache_cells(probed, looks):
             assert (block["request"], block["slot"], block["fill"]) == \
                    (" ".join(str(i) for i, _ in who), " ".join(str(slot) for _, slot in who), fill), where
             drawn = painted_cells(block, probed)
-            assert drawn == [(kind, (EMPTY,) if kind == "free" else tuple(colour(kind, i) for i in whose))
-                             for kind, whose in cells], f"{where}: drawn {drawn}, recorded {cells}"
+            recorded = [(kind, (EMPTY,) if kind == "free" else tuple(colour(kind, i) for i in whose))
+                        for kind, whose in cells]
+            assert drawn == recorded, f"{where}: drawn {drawn}, recorded {recorded} ({cells})"
 
 
 def test_the_cache_cells_are_the_engines(probed):
