@@ -561,27 +561,27 @@ HAND_WORKED = [(SYSTEM + [3], 5, 0), ([11, 12], 6, 0), (SYSTEM + [23], 1, 0),  #
 #             step 12   |F.|  F in (blocks 1, 4) and out                                      queue: none
 # prefix cache (Part 4), the same pool, which keeps a full block's keys for a later request whose
 # sequence begins with the same tokens (SYSTEM, say). Blocks: free ones without keys first, then kept
-# ones, the least recently used first, evicted (their keys dropped). As paged to step 3, then:
+# ones, the least recently used first, evicted (their keys dropped). kept: the free blocks with keys as
+# the step's report lists them (cached_free), before phase 7 retires anyone. As paged to step 3, then:
 #             step 4    |A.|  !B as paged, but B's full blocks 2, 3 (positions 0-3) are kept, and only 5
-#                             wiped, which A takes. As A leaves, its full blocks 0 (SYSTEM), 1, 4 are kept,
-#                             5 wiped                                                          queue: B C
+#                             wiped, which A takes. A makes its last token         queue: B C  kept: 2, 3
+#                             (as A leaves, its full blocks 0 (SYSTEM), 1, 4 are kept, 5 wiped)
 #             step 5    |B.|  B back into slot 0 finds its own blocks 2, 3 (+B(4 found)): only positions
-#                             4-5 go in, into block 5. C finds block 0, but waits: B takes 3 blocks more,
-#                             C 2, 3 are free; its try made block 0 the most recently used     queue: C
-#                                                                                              kept: 1, 4, 0
+#                             4-5 go in, into block 5. C finds block 0 but waits: B's 6 + 3 take 3 blocks
+#                             beside its 2, C's 3 + 3 two beside block 0, and 3 are free; its try made
+#                             block 0 the most recently used                       queue: C    kept: 1, 4, 0
 #             step 6    |B.|  B's position 6 needs a block and only kept ones are free: block 1, the least
-#                             recently used, is evicted (A's keys dropped). As B leaves, its 2, 3, 5 are
-#                             kept, 1 wiped                                                    queue: C
-#                                                                                              kept: 4, 0
+#                             recently used, is evicted (A's keys dropped)         queue: C    kept: 4, 0
+#                             (as B leaves, its 2, 3, 5 are kept, 1 wiped)
 #             step 7    |C.|  C finds block 0 (+C(2 found)): only position 2 goes in, into block 1
 #                                                                                  queue: none kept: 4, 2, 3, 5
+#                             (as C leaves, block 0 is kept, 1 wiped)
 #             step 10   |DE|  D finds block 0, kept as C left (+D(2 found)): position 2 into block 1.
-#                             E takes block 4, evicted (A's keys dropped)                      queue: F
-#                                                                                              kept: 2, 3, 5
+#                             E takes block 4, evicted (A's keys dropped)          queue: F    kept: 2, 3, 5
 #             step 11   |DF|  F finds block 0, which D holds: shared (+F(2 found)). F gets in where paged F
-#                             waited (D takes 2 blocks more, F 2, 4 are free); its position 2 into block 4
-#                                                                                  queue: none kept: 2, 3, 5
-CONTINUOUS_QUEUE = {0: "C", 1: "C", 2: "C", 3: "C", 4: "C", 5: "", 10: "F", 11: ""}  # step -> who waits, admitted
+#                             waited (D's 4 + 3 take 2 blocks more, F's 3 + 3 two beside block 0, and 4 are
+#                             free); its position 2 into block 4 (E's, wiped)      queue: none kept: 2, 3, 5
+CONTINUOUS_QUEUE = {0: "C", 1: "C", 2: "C", 3: "C", 4: "C", 5: "", 10: "F", 11: ""}  # who waits after admissions
 QUEUES = {"continuous": CONTINUOUS_QUEUE, "broken": CONTINUOUS_QUEUE,  # a mask changes no schedule
           "static": {0: "C", 1: "C", 2: "C", 3: "C", 4: "C", 5: "C", 6: "", 10: "F", 11: "F", 12: ""},
           "paged": {0: "C", 1: "C", 2: "C", 3: "C", 4: "BC", 5: "C", 6: "C", 7: "", 10: "F", 11: "F", 12: ""},
