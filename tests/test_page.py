@@ -616,6 +616,7 @@ PLANTED = {  # a defect: (the style or the script, the text as written, the text
     "the frame at the index": ("script", "+svg.dataset.left + step.step * +svg.dataset.stepWidth",
                                "+svg.dataset.left + index * +svg.dataset.stepWidth"),
     "the queue before admission": ("script", "chips(step.waiting)", "chips([...step.admitted, ...step.waiting])"),
+    "blocks waited for beside a slot phase 3 freed": ("script", "|| nFree === 0)", ")"),
     "block tables shifted by one": ("script", "blocks[block].holders.push(",
                                     "blocks[(block + 1) % nBlocks].holders.push("),
     "fill from kv_used": ("script", "step.n_cached[slot] - k * size", "step.kv_used - k * size"),
@@ -906,11 +907,16 @@ def chips_of(look, label):
 
 def check_queue_and_worker(probed, looks):
     """The queue's chips are the engine's recorded queue (StepReport.waiting) after the step's
-    admissions; the worker's (disaggregated only) the prompts it recorded holding after the step."""
+    admissions; paged, a queue beside a slot that admission left free (not one that phase 3 freed by
+    a preemption) says it waits for blocks; the worker's chips (disaggregated only) are the prompts it
+    recorded holding after the step."""
     for (link, run, step), look in zip(probed.links, looks):
         report = probed.shown.reports[run["name"]][run["steps"].index(step)]
         queue, recorded = chips_of(look, "queue:"), [nanobatch.letter(i) for i in report.waiting]
         assert queue == recorded, f"{link}: the queue drawn {queue}, recorded {recorded}"
+        n_free = report.occupants.count(None) - len(report.preempted)  # slots free after admission
+        text = next(text for text, _ in look["info"] if text.startswith("queue:"))
+        assert ("for blocks, a slot free" in text) == bool(run["kv_blocks"] and report.waiting and n_free), link
         held = chips_of(look, "the prefill worker holds:")
         assert held == ([nanobatch.letter(i) for i in report.at_worker] if run["disaggregate"] else None), \
             f"{link}: the worker holds {held}, recorded {[nanobatch.letter(i) for i in report.at_worker]}"
@@ -931,7 +937,8 @@ def test_the_queue_is_the_engines_and_the_schedule_worked_by_hand(by_hand):
 def test_the_queue_and_the_worker_drawn_are_the_engines(probed):
     """Planted: the queue as it stood before admission; the worker's prompts during the step (its
     handovers too)."""
-    check_planted(check_queue_and_worker, probed, "the queue before admission", "the worker's prompts during the step")
+    check_planted(check_queue_and_worker, probed, "the queue before admission", "the worker's prompts during the step",
+                  "blocks waited for beside a slot phase 3 freed")
 
 
 def worker_lane(page, name):
@@ -1250,6 +1257,19 @@ def test_found_positions_show_in_the_events_and_the_cache(probed):
     assert marks == sorted((i, report.step, n) for report in probed.shown.reports["prefix cache"]
                            for i, n in zip(report.admitted, report.found_cached) if n) == \
         [(1, 5, 4), (2, 7, 2), (3, 10, 2), (5, 11, 2)]
+
+
+def test_the_question_does_not_give_its_preemption_away(by_hand, tmp_path):
+    """With predict on, step 4 of the paged runs worked by hand shows the queue as admission left it, C
+    alone: not B, whom phase 3 preempts, at its head, where the step's report has it."""
+    links = ["run=paged&step=4&predict=1", "run=prefix cache&step=4&predict=1", "run=paged&step=5&predict=1"]
+    following = tmp_path / "following.html"
+    following.write_text(by_hand.page.replace("</body>", FOLLOW_LINKS.replace("LINKS", json.dumps(links))))
+    dom, _ = opened(following, "")
+    followed = json.loads(html.unescape(re.search(r'data-followed="([^"]*)"', dom)[1]))
+    assert [(got["step"], got["rows"]) for got in followed] == [("4", []), ("4", []), ("5", [])]
+    queues = [re.search(r"queue: [^)]*?(?=phases)", got["info"])[0] for got in followed]
+    assert queues == ["queue: 1 waiting C", "queue: 1 waiting C", "queue: 1 waiting C for blocks, a slot free"], queues
 
 
 def test_the_closing_message_names_the_step_it_links(by_hand, tmp_path, monkeypatch, capsys):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanobatch.py and model.py
 from belt_svg import AXIS_H, HATCH, LEFT, RIGHT, SVG_WIDTH, TITLE_H, colour, panel_svg, run_for_file, tag  # noqa: E402
-from nanobatch import fail, letter  # noqa: E402
+from nanobatch import ROOM_TO_GROW, fail, letter  # noqa: E402
 
 LANE_H = 13  # px: one prompt held by the prefill worker, in its lane under the belt: room for a letter
 TEMPLATE = Path(__file__).resolve().with_name("explore.html")  # the page: its HTML, style and script
@@ -119,7 +119,8 @@ def page_data(shown, command=""):
     """What --demo or --prompt ran (nanobatch.Shown) -> the page's data: {"runs": [...]}, and more."""
     runs = [run_data(run, shown.requests, shown.completions[run[0]], shown.reports[run[0]], shown.tokenizer)
             for run in shown.runs]
-    return dict(command=command, has_text=shown.tokenizer is not None, runs=runs)
+    return dict(command=command, has_text=shown.tokenizer is not None, runs=runs,
+                room_to_grow=ROOM_TO_GROW)  # Part 3: the tokens of growth admission keeps free for each request
 
 
 # ---------------------------------------------------------------------------------------------
