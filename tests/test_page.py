@@ -616,7 +616,8 @@ PLANTED = {  # a defect: (the style or the script, the text as written, the text
     "the frame at the index": ("script", "+svg.dataset.left + step.step * +svg.dataset.stepWidth",
                                "+svg.dataset.left + index * +svg.dataset.stepWidth"),
     "the queue before admission": ("script", "chips(step.waiting)", "chips([...step.admitted, ...step.waiting])"),
-    "blocks waited for beside a slot phase 3 freed": ("script", "|| nFree === 0)", ")"),
+    "blocks waited for beside a slot phase 3 freed": ("script", "(i) => i === null).length - step.preempted.length;",
+                                                      "(i) => i === null).length;"),
     "block tables shifted by one": ("script", "blocks[block].holders.push(",
                                     "blocks[(block + 1) % nBlocks].holders.push("),
     "fill from kv_used": ("script", "step.n_cached[slot] - k * size", "step.kv_used - k * size"),
@@ -643,6 +644,8 @@ PLANTED = {  # a defect: (the style or the script, the text as written, the text
     "evictions against this step's kept": ("script", "new Set(before === null ? [] : before.cached_free)",
                                            "new Set(step.cached_free)"),
     "found left out of the events": ("script", '(step.found_cached[a] ? `(${step.found_cached[a]} found)` : "")', '""'),
+    "found left out of the captions": ("script", 'return n ? `positions ${span(0, n - 1)} found cached` : "";',
+                                       'return "";'),
     "found blocks from the table's end": ("script", ".slice(0, step.found_cached[a] / size)",
                                           ".slice(-step.found_cached[a] / size)"),
     "preemptions left out of the line": ("script", "...finished, ...preempted]", "...finished]"),
@@ -1143,6 +1146,11 @@ def test_a_preemption_shows_in_the_line_and_the_cache(probed):
     check_planted(check_preemptions, probed, "freed from this step's tables", "preemptions left out of the line")
 
 
+def report_size(run, report):
+    """Positions a block: the pool's, or per slot a slot's."""
+    return report.kv_total // (run["kv_blocks"] or run["n_slots"])
+
+
 def check_prefix_cache(probed, looks):
     """Part 4, at every step of the six runs: the blocks drawn kept are the report's cached_free, each
     naming whoever held it last (whose keys it keeps); those drawn evicted are the ones the engine evicted
@@ -1178,11 +1186,6 @@ def check_prefix_cache(probed, looks):
             now = ", ".join(letter(i) for i, table in zip(report.occupants, report.block_tables) if block in table)
             assert f"block {block}, kept with {kept_by}'s keys, now {now}'s" in look["eviction"], f"{link}: {look}"
         assert bool(look["eviction"]) == bool(evicted), link
-
-
-def report_size(run, report):
-    """Positions a block: the pool's, or per slot a slot's."""
-    return report.kv_total // (run["kv_blocks"] or run["n_slots"])
 
 
 def test_the_prefix_cache_worked_by_hand(by_hand):
@@ -1243,14 +1246,17 @@ def check_found(probed, looks):
             text = f"+{nanobatch.letter(i)}" + (f"({n_found} found)" if n_found else "")
             assert text in chips, f"{link}: events {chips}, not {text}"
             assert (f"{text}its positions 0-{n_found - 1} in block" in look["foundLine"]) == bool(n_found), link
+            if n_found and any(row["request"] == i for row in step["rows"]):  # what it feeds: the rest
+                assert f"positions 0-{n_found - 1} found cached" in " ".join(look["captions"]), \
+                    f"{link}: captions {look['captions']}"
         assert bool(look["foundLine"]) == any(report.found_cached), f"{link}: {look['foundLine']!r}"
 
 
 def test_found_positions_show_in_the_events_and_the_cache(probed):
-    """+K(N found) in the events and in the cache's found line; and in the belt, a mark at the start of the
-    stay its admission began, as many positions in its data as the report says. Planted: the events
-    without what each admission found."""
-    check_planted(check_found, probed, "found left out of the events")
+    """+K(N found) in the events, in the cache's found line and in the caption of what it feeds; and in the
+    belt, a mark at the start of the stay its admission began, as many positions in its data as the report
+    says. Planted: the events without what each admission found; the captions without it."""
+    check_planted(check_found, probed, "found left out of the events", "found left out of the captions")
     belt = re.search(r'<div class="belt" data-run="prefix cache">(.*?)</div>', probed.page, re.S)[1]
     marks = sorted((int(a["data-request"]), int(a["data-step"]), int(a["data-found"]))
                    for a in map(attributes, re.findall(r'<rect class="found"[^>]*>', belt)))
