@@ -854,8 +854,8 @@ class StepReport:
     packed: PackedStep | None  # what the step's forward ran on, as model.forward_packed took it; None: no forward
     occupants: list[int | None] = field(default_factory=list)  # each slot's request index in the step (None: empty)
     waiting: list[int] = field(default_factory=list)  # the queue after admission, first in line first
-    kv_used: int = 0  # cache positions written once the step's forward has run, all requests together: a request
-    #                   finishing in this step counts, the token just sampled does not (it goes in next step)
+    kv_used: int = 0  # cache positions written once the step's forward has run, all requests together, a shared
+    #                   block's once: a request finishing in this step counts, the token just sampled does not
     n_cached: list[int] = field(default_factory=list)  # each slot's share of kv_used (0: an empty slot)
     kv_total: int = 0  # the cache's positions: n_slots x max_len, or (Part 3) the pool's
     handed_over: list[int] = field(default_factory=list)  # Part 2: prompts the worker handed over this step
@@ -883,12 +883,22 @@ def step_report(step, step_start, belt, waiting, blocks, prompts, admitted, pree
         packed=packed if len(packed.tokens) else None,  # no token fed (Part 2: all at the worker), no forward to show
         occupants=[None if run is None else run.request_index for run in belt],
         waiting=[run.request_index for run in waiting],
-        kv_used=sum(run.n_cached for run in belt if run), kv_total=blocks.cache.n_positions,
+        kv_used=positions_in_use(belt, blocks.cache.kv.size(3)), kv_total=blocks.cache.n_positions,
         n_cached=[run.n_cached if run else 0 for run in belt],
         handed_over=[handover.run.request_index for handover in handovers],
         at_worker=[run.request_index for run in belt if run and run.request_index in prompts.holding],
         kv_bytes=sum(handover.kv_bytes for handover in handovers), kv_s=sum(handover.kv_s for handover in handovers),
         preempted=preempted, block_tables=[list(run.block_table) if run else [] for run in belt])
+
+
+def positions_in_use(belt, block_size):
+    """Cache positions that hold a token: each block's written positions, counted once however many
+    requests share the block (Part 4), and a per-slot block's as its slot's n_cached."""
+    written = {}  # block -> its positions written
+    for run in filter(None, belt):
+        for first_position, block in zip(range(0, run.n_cached, block_size), run.block_table):
+            written[block] = max(written.get(block, 0), min(block_size, run.n_cached - first_position))
+    return sum(written.values())
 
 
 def percentile(values, q):

@@ -218,3 +218,14 @@ def test_a_seed_draws_what_torch_multinomial_draws(gpt):
                 probs = torch.softmax(logits / request.temperature, dim=-1)
                 want.append(int(torch.multinomial(probs, 1, generator=generator)))
             assert completion.tokens == want, f"seed {request.seed}: drew {completion.tokens}, torch draws {want}"
+
+
+def test_positions_in_use_count_a_shared_block_once():
+    """StepReport.kv_used, by hand. Paged, blocks of 4: A holds blocks 0 and 1 with 6 positions written
+    (4 + 2), B shares block 0 and holds block 2 with 5 written (4 + 1): 4 + 2 + 1 = 7 positions, not
+    the 11 its requests count. Per slot, each slot's block is its n_cached: 3 + 0 + 9."""
+    a = SimpleNamespace(block_table=[0, 1], n_cached=6)
+    b = SimpleNamespace(block_table=[0, 2], n_cached=5)
+    assert nanobatch.positions_in_use([a, None, b], block_size=4) == 7
+    slots = [SimpleNamespace(block_table=[0], n_cached=3), None, SimpleNamespace(block_table=[2], n_cached=9)]
+    assert nanobatch.positions_in_use(slots, block_size=16) == 12

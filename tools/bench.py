@@ -5,6 +5,7 @@ The benchmark: continuous batching against static and sequential, timed, on seed
     python tools/bench.py --quick            a tiny model, in seconds
     python tools/bench.py --svg FILE         and the belt of its runs drawn into FILE
     python tools/bench.py --paged            only section 4, paged attention: a few minutes on a CPU
+    python tools/bench.py --prefix           only section 5, prefix caching: a few minutes on a CPU
 
 1) The main workload: 16 requests per slot, all queued at once, prompts of 4-16 tokens, answers of
    long-tailed lengths, served continuous, static, and sequential (the engine with one slot), then
@@ -14,6 +15,8 @@ The benchmark: continuous batching against static and sequential, timed, on seed
 3) A table of decode steps at 8 to 64 slots, of different lengths: what the attention cut buys.
 4) --paged, on its own (it would add more than half again to the run above): per slot against paged
    in the same KV memory, on the main workload and on the demo's, and the block tables' price.
+5) --prefix, on its own: requests that share a system prompt, with the prefix cache and without, in
+   the same pool, arriving in a stream and all at once.
 """
 import argparse
 import math
@@ -46,6 +49,8 @@ def bench(args):
         return attention_table(model)
     if args.paged:
         return paged_attention(model, args)
+    if args.prefix:
+        return prefix_caching(model, args)
     requests = main_workload(model, args, args.slots)
     runs = [("continuous", args.slots, "continuous", args.prefill_chunk, False, None, False),
             ("static", args.slots, "static", args.prefill_chunk, False, None, False),
@@ -409,6 +414,36 @@ def block_table_price(model, row_counts, block_size, n_rounds=5):
         print(f"{f'{n_slots} rows':10}" + "".join(f"{cell:>36}" for cell in cells), flush=True)
 
 
+SYSTEM_PROMPT = 96  # tokens every --prefix request starts with: six blocks of 16
+
+
+def prefix_caching(model, args):
+    """--prefix: 64 requests (or --requests) that share a system prompt of SYSTEM_PROMPT tokens, each
+    followed by 4-16 of its own, answers of long-tailed lengths (mean 16, at most 64), one arriving every
+    other step (or --arrival-rate), then all at step 0; --slots rows (16), a pool of --kv-blocks (512):
+    with the prefix cache and without, in that pool -> nothing to draw."""
+    V, rng = model.config.vocab_size, random.Random(args.seed)
+    n_requests, rate, kv_blocks = args.requests or 64, args.arrival_rate or 0.5, args.kv_blocks or 512
+    system, lengths = [rng.randrange(V) for _ in range(SYSTEM_PROMPT)], long_tailed(rng, n_requests, mean=16, cap=64)
+    arriving = [Request(system + [rng.randrange(V) for _ in range(rng.randint(4, 16))], n, arrival=int(i / rate))
+                for i, n in enumerate(lengths)]
+    print(f"bench --prefix: {n_requests} requests, a system prompt of {SYSTEM_PROMPT} tokens and 4-16 of their own, "
+          f"answers of {min(lengths)}-{max(lengths)} tokens, {args.slots} rows, {kv_blocks} blocks of "
+          f"{args.kv_block_size}, GPT-2 {model.config.n_layer} layers, {args.device}, {args.dtype}")
+    for when, requests in [(f"{rate:g} a step", arriving), ("all at step 0", [replace(r, arrival=0) for r in arriving])]:
+        runs = [(name, args.slots, "continuous", args.prefill_chunk, False, kv_blocks, cache)
+                for name, cache in [("cache", True), ("no cache", False)]]
+        print(f"\narriving {when}:")
+        warm_up(model, requests, runs, args)
+        summaries, _, reports = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
+        print_table(summaries)
+        (cached, plain), fed = summaries.values(), [sum(r.n_prompt_tokens for r in reports[name]) for name, *_ in runs]
+        print(f"prompt tokens computed: {fed[0]} with the cache, {fed[1]} without ({fed[0] / fed[1]:.0%}); "
+              f"requests at once: {', '.join(str(max(r.n_running for r in reports[name])) for name, *_ in runs)}")
+        print(f"tokens/s with the cache / without: {cached['tokens/s'] / plain['tokens/s']:.2f}x")
+    return []
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="tools/bench.py", description="continuous vs static vs sequential, timed")
     parser.add_argument("--requests", type=positive(int), metavar="N", help="the main workload's (16 per slot)")
@@ -419,6 +454,8 @@ def main(argv=None):
     only.add_argument("--decode-steps", action="store_true", help="only the table of decode steps")
     only.add_argument("--paged", action="store_true", help="only section 4: per slot against paged in the same KV "
                       "memory (--slots slots of --max-len, or --kv-blocks blocks), and the block tables' price")
+    only.add_argument("--prefix", action="store_true", help="only section 5: a shared system prompt, with the prefix "
+                      "cache and without, in one pool (--kv-blocks, 512; --slots, 16)")
     parser.add_argument("--svg", metavar="FILE", type=checked_path, help="the belt drawn into FILE: continuous, "
                         "static (and disaggregated), then the long-prompt runs with their step durations")
     typed, args = nanobatch.parse_args(parser, argv, nanobatch.SERVING | {"quick", "weights"})
@@ -432,8 +469,12 @@ def main(argv=None):
             parser.error("--svg does not apply to --paged, which draws no belt")
         if "kv_blocks" in typed and "slots" in typed:
             parser.error("--paged takes --slots or --kv-blocks, not both: each sets the memory that both caches get")
+    elif args.prefix:
+        if args.disaggregate or args.svg:
+            parser.error(f"--{'disaggregate' if args.disaggregate else 'svg'} does not apply to --prefix")
+        args.slots = args.slots if "slots" in typed else 16
     elif "kv_blocks" in typed:  # the other sections' runs reserve per slot
-        parser.error("--kv-blocks applies to --paged only")
+        parser.error("--kv-blocks applies to --paged and --prefix only")
     groups = nanobatch.run_cli(bench, args)
     if args.svg:
         write_svg(args.svg, groups)
