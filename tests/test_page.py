@@ -1077,9 +1077,10 @@ def test_the_cache_cells_are_the_engines(probed):
 
 
 def check_cache_figures(probed, looks):
-    """The cache's figures are the report's: the positions holding a token (a shared block's once) of
-    kv_total, the positions reserved but empty, the blocks (per slot: slots) free, and with a prefix cache
-    how many of them are kept; paged, each busy slot's block table and positions."""
+    """The cache's figures are the report's: kv_used of kv_total (a shared block's positions once: worked
+    out here too), the positions reserved but empty, the blocks (per slot: slots) free, a block shared
+    counted once, and with a prefix cache how many of them are kept; paged, each busy slot's block table
+    and positions."""
     for (link, run, step), look in zip(probed.links, looks):
         reports = probed.shown.reports[run["name"]]
         report, blocks = reports[run["steps"].index(step)], recorded_cache(run, reports, run["steps"].index(step))
@@ -1087,13 +1088,13 @@ def check_cache_figures(probed, looks):
         held = [fill for who, fill, _ in blocks.values() if who]
         n_held, n_in_use, unit = len(held), sum(held), "block" if run["kv_blocks"] else "slot"
         n_shared = sum(len(who) > 1 for who, _, _ in blocks.values())
-        assert n_in_use == report.kv_used - sum(fill * (len(who) - 1) for who, fill, _ in blocks.values() if who)
-        wanted = [f"in use: {n_in_use} of {report.kv_total} positions hold a token",
+        assert n_in_use == report.kv_used, f"{link}: kv_used {report.kv_used}, positions in use {n_in_use}"
+        wanted = [f"in use: {report.kv_used} of {report.kv_total} positions hold a token",
                   f"{(n_empty := n_held * report.kv_total // n_blocks - n_in_use)} "
                   f"position{'' if n_empty == 1 else 's'} reserved but empty",
                   f"free: {n_blocks - n_held} of {n_blocks} {unit}{'' if n_blocks == 1 else 's'}" +
                   (f", {len(report.cached_free)} of them kept" if run["prefix_cache"] else "")]
-        wanted += [f"({n_shared} shared)", f"kv_used, {report.kv_used}, counts"] if n_shared else []
+        wanted += [f"({n_shared} shared)", "a shared block's once"] if n_shared else []
         assert all(text in look["figures"] for text in wanted), f"{link}: {look['figures']!r}, not {wanted}"
         tables = [(slot, f"{report.n_cached[slot]} positions, block_table [{', '.join(map(str, table))}]")
                   for slot, table in enumerate(report.block_tables) if table] if run["kv_blocks"] else []
