@@ -20,6 +20,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanobatch.py and model.py
 from belt_svg import AXIS_H, HATCH, LEFT, RIGHT, SVG_WIDTH, TITLE_H, colour, panel_svg, run_for_file, tag  # noqa: E402
@@ -198,7 +199,7 @@ def main(argv=None):
     name, reports = shown.runs[0][0], shown.reports[shown.runs[0][0]]
     number = reports[min(12, len(reports) - 1)].step  # step 12, or the last of a shorter run
     print(f"\nthe run, step by step: {path} (open it in a browser; at step {number}, say: "
-          f"{Path(path).resolve().as_uri()}#run={name}&step={number})")
+          f"{Path(path).resolve().as_uri()}#run={quote(name, safe='')}&step={number})")  # a space as %20
     return shown
 
 
