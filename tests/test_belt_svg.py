@@ -3,6 +3,7 @@ The belt as a picture (tools/belt_svg.py), parsed back: every stay drawn where a
 step reports say it was, in its own colour, a preempted one cut where it was; and the bench
 (tools/bench.py): its warm-up, and the times of its steps.
 """
+import dataclasses
 import random
 import xml.etree.ElementTree as ET
 from types import SimpleNamespace
@@ -34,11 +35,14 @@ def stay(request, slot, first_step, first_token_step, last_step, preempted_at=No
 
 def reported(n_slots, stays):
     """The step reports of a belt on which these stays happened -> a stand-in for each StepReport,
-    one a step from 0 to the last stay's end: what belt_svg reads (step, occupants, belt, preempted)."""
+    one a step from 0 to the last stay's end: what belt_svg reads (step, occupants, belt, preempted,
+    admitted, found_cached: none found here)."""
     n_steps = max(s.last for s in stays) + 1
-    reports = [SimpleNamespace(step=step, occupants=[None] * n_slots, belt=["."] * n_slots, preempted=[])
-               for step in range(n_steps)]
+    reports = [SimpleNamespace(step=step, occupants=[None] * n_slots, belt=["."] * n_slots, preempted=[], admitted=[],
+                               found_cached=[]) for step in range(n_steps)]
     for s in stays:
+        reports[s.first].admitted.append(s.request)
+        reports[s.first].found_cached.append(0)
         for report in reports[s.first:s.last + 1]:
             assert report.occupants[s.slot] is None, f"two stays by hand in slot {s.slot} at step {report.step}"
             report.occupants[s.slot] = s.request
@@ -177,7 +181,8 @@ def test_belt_svg_a_preempted_stay():
 def check_against_reports(svg, reports):
     """Cell by cell, a belt drawn from a real run: the bars cover exactly the (slot, step) cells that the
     reports' occupants fill, each with its occupant's bar, never two; the hatched marks exactly the
-    cells whose belt character is '~'; an edge for each request a report preempted, at that step."""
+    cells whose belt character is '~'; an edge for each request a report preempted, at that step; a mark
+    for each admission that found positions cached (Part 4), at that step, with as many positions."""
     root = ET.fromstring(svg)
     (step_w, bars, marks), = drawn_panels(svg)
     step_0_x, row_h = belt_svg.LEFT, float(next(r for r in root.iter(f"{SVG}rect") if r.get("class") == "stay")
@@ -203,6 +208,14 @@ def check_against_reports(svg, reports):
     edges = sorted((int(e.get("data-request")), int(e.get("data-step"))) for e in root.iter(f"{SVG}rect")
                    if e.get("class") == "preempted")
     assert edges == sorted((i, r.step) for r in reports for i in r.preempted)
+    found = sorted((int(e.get("data-request")), int(e.get("data-step")), int(e.get("data-found")))
+                   for e in root.iter(f"{SVG}rect") if e.get("class") == "found")
+    assert found == sorted((i, r.step, n) for r in reports for i, n in zip(r.admitted, r.found_cached) if n)
+    for mark in root.iter(f"{SVG}rect"):  # at the left end of its stay's bar, on its row
+        if mark.get("class") == "found":
+            bar = next(b for b in bars[int(mark.get("data-request"))]
+                       if round((float(b.get("x")) - step_0_x) / step_w) == int(mark.get("data-step")))
+            assert (mark.get("x"), mark.get("y")) == (bar.get("x"), bar.get("y")), "a found mark off its stay's start"
 
 
 def test_belt_svg_of_a_paged_run_is_its_reports():
@@ -217,6 +230,26 @@ def test_belt_svg_of_a_paged_run_is_its_reports():
     moved = {i for i in comebacks if len({slot for r in reports for slot, j in enumerate(r.occupants) if j == i}) > 1}
     assert moved, "no preempted request came back in another slot"
     check_against_reports(belt_svg.belt_svg([("paged", 3, reports, headline(len(reports)), None)]), reports)
+
+
+def test_belt_svg_of_a_prefix_cache_run_is_its_reports():
+    """Part 4, a real run with a prefix cache, its prompts after one shared system prompt: every admission
+    that found positions cached has a mark at the start of its stay, as many positions in its data and its
+    tooltip, and the legend says what the mark means."""
+    requests = random_workload(seed=3, n_requests=7)
+    system = list(range(1, 17))  # two blocks of 8 positions
+    requests = [dataclasses.replace(r, prompt=system + r.prompt[:8]) for r in requests]
+    reports = []
+    generate(tiny_gpt(), requests, n_slots=3, max_len=MAX_LEN, eos_id=None, on_step=reports.append, prefill_chunk=5,
+             kv_blocks=12, kv_block_size=8, prefix_cache=True)
+    assert sum(n > 0 for r in reports for n in r.found_cached) >= 3, "too few admissions found the system prompt"
+    svg = belt_svg.belt_svg([("prefix cache", 3, reports, headline(len(reports)), None)])
+    check_against_reports(svg, reports)
+    tips = [g.find(f"{SVG}title").text for g in ET.fromstring(svg).iter(f"{SVG}g")  # a stay's group: its title first
+            if g.find(f"{SVG}title") is not None and any(r.get("class") == "found" for r in g.findall(f"{SVG}rect"))]
+    assert tips and all("found in the prefix cache, not fed again" in tip for tip in tips), tips
+    texts = [t.text or "" for t in ET.fromstring(svg).iter(f"{SVG}text")]
+    assert any(text.startswith("found: its admission found positions") for text in texts), "no legend for the mark"
 
 
 def test_belt_svg_64_slots_300_steps():
@@ -285,7 +318,7 @@ def test_bench_warms_each_way_of_serving_up_before_timing_it(monkeypatch):
     monkeypatch.setattr(bench, "run_all", timed)
     args = SimpleNamespace(seed=0, quick=True, weights=None, device=torch.device("cpu"), dtype=torch.float32,
                            call_cost=None, decode_steps=False, requests=8, arrival_rate=None, slots=3,
-                           prefill_chunk=5, disaggregate=True, max_len=None, paged=False, kv_blocks=None,
+                           prefill_chunk=5, disaggregate=True, max_len=None, paged=False, prefix=False, kv_blocks=None,
                            kv_block_size=16)
     with pytest.raises(Stop):
         bench.bench(args)

@@ -7,11 +7,13 @@ import dataclasses
 import html
 import html.parser
 import io
+import itertools
 import json
 import re
 import shutil
 import subprocess
 import threading
+import urllib.parse
 from types import SimpleNamespace
 
 import pytest
@@ -512,42 +514,89 @@ def test_every_field_of_the_data_is_drawn(quick_page):
 # What the page draws, pinned in Chromium, on a schedule worked by hand
 #
 # Six requests on two slots (eos_id=None, so each makes exactly max_new_tokens), whose schedule is
-# worked out below, run five ways: continuous, static, disaggregated, continuous under a mask that
-# sees one position past its own, and paged in a pool so small that a request is preempted. The page
-# of these five runs is opened once in Chromium, where a probe runs the page's own script again, in a
-# scope of its own, at every step of every run: as written, and once per defect planted (its style or
-# script edited here as text). Each check below
-# must pass on the page as written and fail on each defect planted for it. One launch for them all:
-# a launch of Chromium takes a second or more on two cores, a run of the page's script milliseconds.
+# worked out below, run six ways: continuous, static, disaggregated, continuous under a mask that
+# sees one position past its own, paged in a pool so small that a request is preempted, and the same
+# pool with a prefix cache, in which requests find, share, keep and evict blocks. The page of these
+# six runs is opened once in Chromium, where a probe runs the page's own script again, in a scope of
+# its own, at every step of every run: as written, and once per defect planted (its style or script
+# edited here as text). Each check below must pass on the page as written and fail on each defect
+# planted for it. One launch for them all: a launch of Chromium takes a second or more on two cores,
+# a run of the page's script milliseconds.
 
-HAND_WORKED = [(3, 2, 0), (2, 3, 0), (3, 1, 0), (2, 2, 10), (1, 1, 10), (2, 1, 10)]  # (prompt length, tokens, arrival)
-# continuous  step 0   |AB|  A, B admitted (their whole prompts, each a chunk), C waits     queue: C
-#             step 1   |AB|  A's last token                                                 queue: C
-#             step 2   |CB|  C takes A's slot and makes its one token; B's last              queue: none
+SYSTEM = [1, 2]  # a system prompt that A, C, D and F begin with: one block of the paged runs
+HAND_WORKED = [(SYSTEM + [3], 5, 0), ([11, 12], 6, 0), (SYSTEM + [23], 1, 0),  # (prompt, tokens, arrival)
+               (SYSTEM + [33], 2, 10), ([41], 1, 10), (SYSTEM + [53], 1, 10)]
+# continuous  step 0    |AB|  A, B admitted (their whole prompts, each a chunk), C waits     queue: C
+#             steps 1-3 |AB|  A and B decode                                                 queue: C
+#             step 4    |AB|  A's last token (its 5th)                                       queue: C
+#             step 5    |CB|  C takes A's slot and makes its one token; B's last (its 6th)   queue: none
 #             (the belt empty and no one waiting: the clock jumps to step 10, when D, E, F arrive)
-#             step 10  |DE|  D, E admitted, F waits; E (a one-token prompt) makes its one    queue: F
-#             step 11  |DF|  F takes E's slot; D's last token, F's one                       queue: none
+#             step 10   |DE|  D, E admitted, F waits; E (a one-token prompt) makes its one    queue: F
+#             step 11   |DF|  F takes E's slot; D's last token, F's one                       queue: none
 # static: a slot refills only once every slot is free, so C waits for B, F for D:
-#             step 0 |AB| C, step 1 |AB| C, step 2 |.B| C, step 3 |C.| none, step 10 |DE| F, step 11 |D.| F,
-#             step 12 |F.| none
-# paged (Part 3), a pool of 3 blocks of 2 positions, 6 in all (per slot, the two slots reserve 128):
-#             step 0   |AB|  A, B admitted: A's 3 prompt positions take blocks 0, 1; B's 2 take block 2  queue: C
-#             step 1   |A.|  A's token at position 3 fits block 1; B's at 2 needs a block, none is free:
-#                            B, admitted last, is preempted (!B), block 2 freed; A's last token          queue: B C
-#             step 2   |B.|  B back, into slot 0: its prompt and first token again (positions 0-2, blocks
-#                            2, 0) and its second token; C waits: the one free block cannot take its 3   queue: C
-#             step 3   |B.|  B's last token (position 3, block 0)                                         queue: C
-#             step 4   |C.|  C in (blocks 1, 2) and out; step 10 |DE| F, step 11 |DF|, as continuous      queue: none
-CONTINUOUS_QUEUE = {0: "C", 1: "C", 2: "", 10: "F", 11: ""}  # step -> who waits after its admissions
+#             steps 0-4 |AB| C, step 5 |.B| C, step 6 |C.| none, step 10 |DE| F, step 11 |D.| F, step 12 |F.| none
+# paged (Part 3), a pool of 6 blocks of 2 positions, 12 in all (per slot, the two slots reserve 128).
+# A request gets in only if the free blocks hold, for it and for each request on the belt, its sequence
+# so far and 3 positions more (ROOM_TO_GROW; alone on the belt, its sequence only). Blocks: first freed,
+# first taken.
+#             step 0    |AB|  A in alone (3 positions: 2 blocks); B beside it, as A's 3 + 3 positions and
+#                             B's 2 + 3 take 3 + 3 blocks, the 6 free. A's prompt goes into blocks 0, 1,
+#                             B's into block 2                                                queue: C
+#             step 1    |AB|  A's position 3 into block 1, B's 2 into block 3                 queue: C
+#             step 2    |AB|  A's position 4 into block 4, B's 3 into block 3                 queue: C
+#             step 3    |AB|  A's 5 into block 4, B's 4 into block 5: all 6 blocks held       queue: C
+#             step 4    |A.|  A's position 6 needs a block and none is free, so B, admitted after A, is
+#                             preempted (!B), a bystander: its blocks 2, 3, 5 wiped and freed. A takes
+#                             block 2 and makes its last token                                queue: B C
+#             step 5    |B.|  B back, alone, into slot 0 (it was in 1): its prompt and 4 tokens again,
+#                             positions 0-5 into blocks 3, 5, 0, and its 5th token. C waits: B's 6 + 3
+#                             positions and C's 3 + 3 take 5 + 3 blocks, 6 are free           queue: C
+#             step 6    |B.|  B's last token (position 6 into block 1). C waits: B's 7 + 3 take 2 blocks
+#                             more, C's 3 + 3 three, 3 are free                               queue: C
+#             step 7    |C.|  C in (blocks 4, 2) and out                                      queue: none
+#             step 10   |DE|  D in alone (blocks 3, 5); E beside it: D's 3 + 3 and E's 1 + 3 take 3 + 2
+#                             blocks of the 6 free (E's: block 0). E's one token              queue: F
+#             step 11   |D.|  F waits: D's 4 + 3 take 2 blocks more, F's 3 + 3 three, 4 are free. D's last
+#                                                                                             queue: F
+#             step 12   |F.|  F in (blocks 1, 4) and out                                      queue: none
+# prefix cache (Part 4), the same pool, which keeps a full block's keys for a later request whose
+# sequence begins with the same tokens (SYSTEM, say). Blocks: free ones without keys first, then kept
+# ones, the least recently used first, evicted (their keys dropped). kept: the free blocks with keys as
+# the step's report lists them (cached_free), before phase 7 retires anyone. As paged to step 3, then:
+#             step 4    |A.|  !B as paged, but B's full blocks 2, 3 (positions 0-3) are kept, and only 5
+#                             wiped, which A takes. A makes its last token         queue: B C  kept: 2, 3
+#                             (as A leaves, its full blocks 0 (SYSTEM), 1, 4 are kept, 5 wiped)
+#             step 5    |B.|  B back into slot 0 finds its own blocks 2, 3 (+B(4 found)): only positions
+#                             4-5 go in, into block 5. C finds block 0 but waits: B's 6 + 3 take 3 blocks
+#                             beside its 2, C's 3 + 3 two beside block 0, and 3 are free; its try made
+#                             block 0 the most recently used                       queue: C    kept: 1, 4, 0
+#             step 6    |B.|  B's position 6 needs a block and only kept ones are free: block 1, the least
+#                             recently used, is evicted (A's keys dropped)         queue: C    kept: 4, 0
+#                             (as B leaves, its 2, 3, 5 are kept, 1 wiped)
+#             step 7    |C.|  C finds block 0 (+C(2 found)): only position 2 goes in, into block 1
+#                                                                                  queue: none kept: 4, 2, 3, 5
+#                             (as C leaves, block 0 is kept, 1 wiped)
+#             step 10   |DE|  D finds block 0, kept as C left (+D(2 found)): position 2 into block 1.
+#                             E takes block 4, evicted (A's keys dropped)          queue: F    kept: 2, 3, 5
+#             step 11   |DF|  F finds block 0, which D holds: shared (+F(2 found)). F gets in where paged F
+#                             waited (D's 4 + 3 take 2 blocks more, F's 3 + 3 two beside block 0, and 4 are
+#                             free); its position 2 into block 4 (E's, wiped)      queue: none kept: 2, 3, 5
+CONTINUOUS_QUEUE = {0: "C", 1: "C", 2: "C", 3: "C", 4: "C", 5: "", 10: "F", 11: ""}  # who waits after admissions
 QUEUES = {"continuous": CONTINUOUS_QUEUE, "broken": CONTINUOUS_QUEUE,  # a mask changes no schedule
-          "static": {0: "C", 1: "C", 2: "C", 3: "", 10: "F", 11: "F", 12: ""},
-          "paged": {0: "C", 1: "BC", 2: "C", 3: "C", 4: "", 10: "F", 11: ""}}
+          "static": {0: "C", 1: "C", 2: "C", 3: "C", 4: "C", 5: "C", 6: "", 10: "F", 11: "F", 12: ""},
+          "paged": {0: "C", 1: "C", 2: "C", 3: "C", 4: "BC", 5: "C", 6: "C", 7: "", 10: "F", 11: "F", 12: ""},
+          "prefix cache": {0: "C", 1: "C", 2: "C", 3: "C", 4: "BC", 5: "C", 6: "C", 7: "", 10: "F", 11: ""}}
+PREFIX_CACHE = {  # the prefix cache by hand: step -> (kept, found: "+K(N found)", evicted, shared), where not none
+    4: ([2, 3], [], [], []), 5: ([1, 4, 0], ["+B(4 found)"], [], []), 6: ([4, 0], [], [1], []),
+    7: ([4, 2, 3, 5], ["+C(2 found)"], [], []), 10: ([2, 3, 5], ["+D(2 found)"], [4], []),
+    11: ([2, 3, 5], ["+F(2 found)"], [], [0])}
 BY_HAND = {  # name -> generate's options
     "continuous": dict(policy="continuous"),
     "static": dict(policy="static"),
     "disaggregated": dict(policy="continuous", disaggregate=True),
     "broken": dict(policy="continuous"),  # run with sees_one_past_its_own for the mask
-    "paged": dict(policy="continuous", kv_blocks=3, kv_block_size=2),
+    "paged": dict(policy="continuous", kv_blocks=6, kv_block_size=2),
+    "prefix cache": dict(policy="continuous", kv_blocks=6, kv_block_size=2, prefix_cache=True),
 }
 EMPTY, GREY, RED = "rgb(243, 243, 243)", "rgb(154, 154, 154)", "rgb(238, 0, 0)"  # a 0; padding's 1; a 1 past its row
 
@@ -567,8 +616,10 @@ PLANTED = {  # a defect: (the style or the script, the text as written, the text
     "the frame at the index": ("script", "+svg.dataset.left + step.step * +svg.dataset.stepWidth",
                                "+svg.dataset.left + index * +svg.dataset.stepWidth"),
     "the queue before admission": ("script", "chips(step.waiting)", "chips([...step.admitted, ...step.waiting])"),
-    "block tables shifted by one": ("script", "Object.assign(blocks[block], {",
-                                    "Object.assign(blocks[(block + 1) % nBlocks], {"),
+    "blocks waited for beside a slot phase 3 freed": ("script", "(i) => i === null).length - step.preempted.length;",
+                                                      "(i) => i === null).length;"),
+    "block tables shifted by one": ("script", "blocks[block].holders.push(",
+                                    "blocks[(block + 1) % nBlocks].holders.push("),
     "fill from kv_used": ("script", "step.n_cached[slot] - k * size", "step.kv_used - k * size"),
     "fill from the table's start": ("script", "step.n_cached[slot] - k * size", "step.n_cached[slot]"),
     "writes into the table's first block": ("script", "table[Math.floor(row.position / size)]", "table[0]"),
@@ -577,6 +628,26 @@ PLANTED = {  # a defect: (the style or the script, the text as written, the text
     "freed from this step's tables": ("script", "before.block_tables[before.occupants.indexOf(i)]",
                                       "step.block_tables[step.occupants.indexOf(i)]"),
     "free counted in requests": ("script", "<b>${nBlocks - nHeld}</b>", "<b>${nBlocks - nHolders}</b>"),
+    "free counted in table entries": ("script", "<b>${nBlocks - nHeld}</b>",
+                                      "<b>${nBlocks - step.block_tables.flat().length}</b>"),
+    "one holder per block": ("script", "blocks[block].holders.push({slot, request: step.occupants[slot], k, fill});",
+                             "blocks[block].holders = [{slot, request: step.occupants[slot], k, fill}];"),
+    "shared painted in one colour": ("style", ".seg.shared { background: var(--bands); }",
+                                     ".seg.shared { background: var(--c); }"),
+    "kept painted as held": ("style", ".seg.kept { background: color-mix(in srgb, var(--c) 30%, white); }",
+                             ".seg.kept { background: var(--c); }"),
+    "kept drawn as free": ("script", "for (const block of step.cached_free) blocks[block].keptFor",
+                           "for (const block of []) blocks[block].keptFor"),
+    "kept from the step before": ("script", "for (const block of step.cached_free) blocks[block].keptFor",
+                                  "for (const block of (before ?? step).cached_free) blocks[block].keptFor"),
+    "hits taken for evictions": ("script", "block.holders.length && !block.foundBy.length", "block.holders.length"),
+    "evictions against this step's kept": ("script", "new Set(before === null ? [] : before.cached_free)",
+                                           "new Set(step.cached_free)"),
+    "found left out of the events": ("script", '(step.found_cached[a] ? `(${step.found_cached[a]} found)` : "")', '""'),
+    "found left out of the captions": ("script", 'return n ? `positions ${span(0, n - 1)} found cached` : "";',
+                                       'return "";'),
+    "found blocks from the table's end": ("script", ".slice(0, step.found_cached[a] / size)",
+                                          ".slice(-step.found_cached[a] / size)"),
     "preemptions left out of the line": ("script", "...finished, ...preempted]", "...finished]"),
     "the worker's prompts during the step": (
         "script", 'const held = step.at_worker.length ? chips(step.at_worker).join("") : "none";',
@@ -605,7 +676,10 @@ function look(hash) {
           captions: [...document.querySelectorAll("#packed .caption")].map((caption) => caption.textContent),
           blocks: [...document.querySelectorAll("#cache .block")].map((block) => ({
             block: +block.dataset.block, request: block.dataset.request, slot: block.dataset.slot,
-            fill: +block.dataset.fill, freed: block.dataset.freed, width: measure ? block.clientWidth : null,
+            fill: +block.dataset.fill, freed: block.dataset.freed, kept: block.dataset.kept,
+            evicted: block.dataset.evicted,
+            found: block.dataset.found, label: block.previousElementSibling.textContent, title: block.title,
+            width: measure ? block.clientWidth : null,
             segments: [...block.querySelectorAll(".seg")].map((segment) => {
               const painted = getComputedStyle(segment);
               return [segment.classList[1], +segment.dataset.n, painted.backgroundColor, painted.backgroundImage,
@@ -613,15 +687,20 @@ function look(hash) {
             })})),
           figures: document.querySelector("#cache .kv-figures").textContent,
           preemption: document.querySelector("#cache .preemption")?.textContent ?? "",
+          foundLine: document.querySelector("#cache .found-line")?.textContent ?? "",
+          eviction: document.querySelector("#cache .eviction")?.textContent ?? "",
           tables: [...document.querySelectorAll("#cache .tables > span")].map((span) => [+span.dataset.slot,
                                                                                          span.textContent])};
 }
-// Each request's colour, as the browser paints it.
+// Each request's colour, as the browser paints it, and pale, as a kept block's cells (Part 4).
 const probe = document.body.appendChild(document.createElement("i"));
-const colours = JSON.parse(document.getElementById("nanobatch-run").textContent).runs[0].requests.map((request) => {
-  probe.style.background = request.colour;
+const requests = JSON.parse(document.getElementById("nanobatch-run").textContent).runs[0].requests;
+const painted = (background) => {
+  probe.style.background = background;
   return getComputedStyle(probe).backgroundColor;
-});
+};
+const colours = requests.map((request) => painted(request.colour));
+const pale = requests.map((request) => painted(`color-mix(in srgb, ${request.colour} 30%, white)`));
 // Each variant's style and script (the page's, or with a defect planted): the script run again in a
 // function of its own, then each link followed as the page follows one (fromHash, then go). Its
 // address bar is an object of its own: Chrome throttles history.replaceState, called here hundreds of times.
@@ -638,47 +717,58 @@ for (const [name, [style, script]] of Object.entries(VARIANTS)) {
     looked[name] = String(error);
   }
 }
-document.body.dataset.looked = JSON.stringify({colours, looked});
+document.body.dataset.looked = JSON.stringify({colours, pale, looked});
 </script>
 </body>"""
 
 
 def hand_worked_requests():
-    return [Request(list(range(10 * i + 1, 10 * i + 1 + n_prompt)), max_new_tokens=n_tokens, arrival=arrival)
-            for i, (n_prompt, n_tokens, arrival) in enumerate(HAND_WORKED)]
+    return [Request(prompt, max_new_tokens=n_tokens, arrival=arrival) for prompt, n_tokens, arrival in HAND_WORKED]
 
 
 def run_by_hand(name):
-    """BY_HAND[name] on two slots, on a tiny model -> (the run as Shown holds it, completions, reports)."""
-    options, reports = BY_HAND[name], []
+    """BY_HAND[name] on two slots, on a tiny model -> (the run as Shown holds it, completions, reports,
+    {step: the blocks the prefix cache evicted in it}, recorded in the engine as it evicts them)."""
+    options, reports, evicted = BY_HAND[name], [], {}
+    take_block = nanobatch.PrefixCache.take_block
+
+    def evicting(pool):  # PrefixCache.take_block, noting each kept block it takes: an eviction
+        kept, block = pool.kept, take_block(pool)
+        if block in kept:
+            evicted.setdefault(len(reports), []).append(block)  # the report of this step comes next
+        return block
+
     with pytest.MonkeyPatch.context() as monkeypatch:
         if name == "broken":
             monkeypatch.setattr(nanobatch, "attention_mask", sees_one_past_its_own)
+        monkeypatch.setattr(nanobatch.PrefixCache, "take_block", evicting)
         completions = generate(tiny_gpt(), hand_worked_requests(), n_slots=2, eos_id=None, on_step=reports.append,
                                **options)
-    run = (name, 2, options["policy"], None, options.get("disaggregate", False), options.get("kv_blocks"), False)
-    return run, completions, reports
+    run = (name, 2, options["policy"], None, options.get("disaggregate", False), options.get("kv_blocks"),
+           options.get("prefix_cache", False))
+    return run, completions, reports, {reports[k].step: blocks for k, blocks in evicted.items()}
 
 
 def probe_links(data):
     """Every step of every run, by its number, and one link into the gap: (link, run, the step it must show)."""
     links = [(f"run={run['name']}&step={step['step']}", run, step) for run in data["runs"] for step in run["steps"]]
     continuous = data["runs"][0]
-    return links + [("run=continuous&step=5", continuous, continuous["steps"][3])]  # 5: in the gap, so step 10
+    return links + [("run=continuous&step=7", continuous, continuous["steps"][6])]  # 7: in the gap, so step 10
 
 
 @pytest.fixture(scope="module")
 def by_hand():
-    """BY_HAND's five runs, as nanobatch.Shown holds them, and their page -> a namespace: shown, page, data."""
-    requests, runs, completions, reports = hand_worked_requests(), [], {}, {}
+    """BY_HAND's six runs, as nanobatch.Shown holds them, and their page -> a namespace: shown, page, data,
+    and evicted: {run name: {step: the blocks the engine evicted in it}}."""
+    requests, runs, completions, reports, evicted = hand_worked_requests(), [], {}, {}, {}
     for name in BY_HAND:
-        run, completions[name], reports[name] = run_by_hand(name)
+        run, completions[name], reports[name], evicted[name] = run_by_hand(name)
         runs.append(run)
     summaries = {name: nanobatch.summarize(requests, completions[name], reports[name], 1.0) for name in BY_HAND}
     shown = nanobatch.Shown(requests, runs, completions, summaries, reports, None)
     page = explore.page_html(shown)
     data = json.loads(re.search(r'<script type="application/json" id="nanobatch-run">(.*?)</script>', page, re.S)[1])
-    return SimpleNamespace(shown=shown, page=page, data=data)
+    return SimpleNamespace(shown=shown, page=page, data=data, evicted=evicted)
 
 
 @pytest.fixture(scope="module")
@@ -700,7 +790,8 @@ def probed(by_hand, tmp_path_factory):
     dumped = json.loads(html.unescape(re.search(r'data-looked="([^"]*)"', dom)[1]))
     for name, looks in dumped["looked"].items():
         assert isinstance(looks, list), f"the page's script, {name}, did not run: {looks}"
-    return SimpleNamespace(**vars(by_hand), links=links, colours=dumped["colours"], looked=dumped["looked"])
+    return SimpleNamespace(**vars(by_hand), links=links, colours=dumped["colours"], pale=dumped["pale"],
+                           looked=dumped["looked"])
 
 
 def check_planted(check, probed, *defects):
@@ -718,15 +809,16 @@ def check_deep_links(probed, looks):
     """Each link shows the step it names, by its number: #shown-step, the address, the packed rows."""
     for (link, run, step), look in zip(probed.links, looks):
         assert look["step"] == str(step["step"]), f"{link}: #shown-step says {look['step']}, not {step['step']}"
-        assert look["hash"] == f"#run={run['name']}&step={step['step']}", f"{link}: the address says {look['hash']}"
+        address = f"#run={urllib.parse.quote(run['name'], safe='')}&step={step['step']}"  # as encodeURIComponent
+        assert look["hash"] == address, f"{link}: the address says {look['hash']}"
         assert look["rows"] == [[row["slot"], row["position"]] for row in step["rows"]], link
 
 
 def test_deep_links_on_a_run_whose_clock_jumps(probed):
     """In the gap run, step numbers and the steps' places in the list differ after the jump (step 10 is
-    the fourth): every link shows the step it names, by its number, a link into the gap the next step.
+    the seventh): every link shows the step it names, by its number, a link into the gap the next step.
     Planted: #shown-step shows the step's place in the list; the address carries it."""
-    assert [step["step"] for step in probed.data["runs"][0]["steps"]] == [0, 1, 2, 10, 11]
+    assert [step["step"] for step in probed.data["runs"][0]["steps"]] == [0, 1, 2, 3, 4, 5, 10, 11]
     check_planted(check_deep_links, probed, "the shown step's index", "the index in the address")
 
 
@@ -818,11 +910,16 @@ def chips_of(look, label):
 
 def check_queue_and_worker(probed, looks):
     """The queue's chips are the engine's recorded queue (StepReport.waiting) after the step's
-    admissions; the worker's (disaggregated only) the prompts it recorded holding after the step."""
+    admissions; paged, a queue beside a slot that admission left free (not one that phase 3 freed by
+    a preemption) says it waits for blocks; the worker's chips (disaggregated only) are the prompts it
+    recorded holding after the step."""
     for (link, run, step), look in zip(probed.links, looks):
         report = probed.shown.reports[run["name"]][run["steps"].index(step)]
         queue, recorded = chips_of(look, "queue:"), [nanobatch.letter(i) for i in report.waiting]
         assert queue == recorded, f"{link}: the queue drawn {queue}, recorded {recorded}"
+        n_free = report.occupants.count(None) - len(report.preempted)  # slots free after admission
+        text = next(text for text, _ in look["info"] if text.startswith("queue:"))
+        assert ("for blocks, a slot free" in text) == bool(run["kv_blocks"] and report.waiting and n_free), link
         held = chips_of(look, "the prefill worker holds:")
         assert held == ([nanobatch.letter(i) for i in report.at_worker] if run["disaggregate"] else None), \
             f"{link}: the worker holds {held}, recorded {[nanobatch.letter(i) for i in report.at_worker]}"
@@ -843,7 +940,8 @@ def test_the_queue_is_the_engines_and_the_schedule_worked_by_hand(by_hand):
 def test_the_queue_and_the_worker_drawn_are_the_engines(probed):
     """Planted: the queue as it stood before admission; the worker's prompts during the step (its
     handovers too)."""
-    check_planted(check_queue_and_worker, probed, "the queue before admission", "the worker's prompts during the step")
+    check_planted(check_queue_and_worker, probed, "the queue before admission", "the worker's prompts during the step",
+                  "blocks waited for beside a slot phase 3 freed")
 
 
 def worker_lane(page, name):
@@ -878,86 +976,125 @@ def test_the_workers_lane_is_what_it_held(by_hand):
         check_lane(explore.page_html(planted), reports)
 
 
-def recorded_cache(run, report):
-    """The cache a StepReport recorded, worked out here on its own -> {block: (its request, its slot, its
-    fill, [(kind, request)] a cell per position)}: holders and fill from the block tables and n_cached,
-    the positions written from the PackedStep the forward ran on, through its own block_tables (None,
-    per slot: slot s is block s)."""
+def last_holders(reports, index, block):
+    """The requests that listed block last before reports[index], in slot order: whose keys a block kept
+    since then holds (Part 4), worked out here from the reports on their own."""
+    for report in reversed(reports[:index]):
+        holders = [i for i, table in zip(report.occupants, report.block_tables) if block in table]
+        if holders:
+            return holders
+    return []
+
+
+def recorded_cache(run, reports, index):
+    """The cache reports[index] recorded, worked out here on its own -> {block: (its holders [(request,
+    slot)] in slot order, its fill, [(kind, whose)] a cell per position)}: holders and fill from the block
+    tables and n_cached (a shared block is full for each holder), the positions written from the PackedStep
+    the forward ran on, through its own block_tables (None, per slot: slot s is block s); a free block
+    kept (cached_free) in the colour of whoever held it last, a shared one in a band for each holder."""
+    report = reports[index]
     n_blocks = run["kv_blocks"] or run["n_slots"]
     size = report.kv_total // n_blocks
-    blocks = {block: (None, None, 0, [("free", None)] * size) for block in range(n_blocks)}
+    holders, fills = {block: [] for block in range(n_blocks)}, {block: 0 for block in range(n_blocks)}
     for slot, table in enumerate(report.block_tables):
-        i = report.occupants[slot]
         for k, block in enumerate(table):
-            fill = min(size, max(0, report.n_cached[slot] - k * size))
-            blocks[block] = (i, slot, fill, [("held", i)] * fill + [("empty", i)] * (size - fill))
+            holders[block].append((report.occupants[slot], slot))
+            fills[block] = max(fills[block], min(size, max(0, report.n_cached[slot] - k * size)))
+    blocks = {}
+    for block, who in holders.items():
+        if not who:
+            kept = block in report.cached_free
+            cells = [("kept", tuple(last_holders(reports, index, block)[:1])) if kept else ("free", ())] * size
+        else:
+            kind = "shared" if len(who) > 1 else "held"
+            n_empty = size - fills[block]
+            cells = [(kind, tuple(i for i, _ in who))] * fills[block] + [("empty", (who[0][0],))] * n_empty
+        blocks[block] = (who, fills[block], cells)
     if report.packed is not None:
         tables = report.packed.block_tables
         for slot, position in zip(report.packed.slots.tolist(), report.packed.positions.tolist()):
             block = slot if tables is None else int(tables[slot, position // size])
-            blocks[block][3][position % size] = ("written", report.occupants[slot])  # None: static's padding
+            blocks[block][2][position % size] = ("written", (report.occupants[slot],))  # (None,): static's padding
     return blocks
 
 
 def painted_cells(look_block, probed):
-    """A block as the browser painted it -> [(kind, colour)] a cell per position, each run of cells
-    checked first: as wide as its share of the block (on the page as written: the probe lays out no
-    other variant), and painted as its kind says (held: its request's colour; written: the same,
-    outlined; reserved but empty: hatched in it; free: the empty grey)."""
+    """A block as the browser painted it -> [(kind, (its colours))] a cell per position, each run of cells
+    checked first: as wide as its share of the block (on the page as written: the probe lays out no other
+    variant), and painted as its kind says (held: its request's colour; written: the same, outlined;
+    reserved but empty: hatched in it; shared: a band of each holder's colour, top to bottom; kept: pale
+    in its last holder's; free: the empty grey)."""
     size, cells = sum(n for _, n, *_ in look_block["segments"]), []
     for kind, n, background, image, shadow, width in look_block["segments"]:
         if width is not None:
             assert width == pytest.approx(n / size * look_block["width"], abs=1), f"{n} cells {width:.1f} px wide"
-        colour = re.match(r"[a-z-]+\((?:[^(]*?)(rgba?\([^)]*\))", image)[1] if image != "none" else background
+        colours = [colour for colour, _ in itertools.groupby(re.findall(r"rgba?\([^)]*\)", image))]  # each band once
         if kind == "empty":
             assert image.startswith("repeating-linear-gradient"), f"reserved but empty, not hatched: {background}"
+            colours = colours[:1]  # the request's colour, then white
+        elif kind == "shared":
+            assert image.startswith("linear-gradient"), f"shared, not in bands: {background} {image}"
         else:
             assert image == "none", f"{kind} cells painted {image}"
+            colours = [background]
         assert (shadow != "none") == (kind == "written"), f"{kind} cells, box-shadow {shadow}"
-        cells += [(kind, colour)] * n
+        cells += [(kind, tuple(colours))] * n
     return cells
 
 
 def check_cache_cells(probed, looks):
-    """At every step of the five runs, every block (per slot: a block a slot) is drawn with its recorded
-    holder and fill, and every cell in the kind and colour that the report and the forward's PackedStep
-    say: held, written this step, reserved but empty, free."""
-    colour_of = lambda i: GREY if i is None else probed.colours[i]  # noqa: E731
+    """At every step of the six runs, every block (per slot: a block a slot) is drawn with its recorded
+    holders (several, for a block shared) and fill, and every cell in the kind and colour that the report
+    and the forward's PackedStep say: held, shared, written this step, reserved but empty, kept, free."""
+    def colour(kind, i):
+        return GREY if i is None else probed.pale[i] if kind == "kept" else probed.colours[i]
+
     for (link, run, step), look in zip(probed.links, looks):
-        report = probed.shown.reports[run["name"]][run["steps"].index(step)]
-        want = recorded_cache(run, report)
+        reports = probed.shown.reports[run["name"]]
+        want = recorded_cache(run, reports, run["steps"].index(step))
         assert [block["block"] for block in look["blocks"]] == list(want), f"{link}: the blocks drawn"
         for block in look["blocks"]:
-            i, slot, fill, cells = want[block["block"]]
+            who, fill, cells = want[block["block"]]
             where = f"{link}, block {block['block']}"
             assert (block["request"], block["slot"], block["fill"]) == \
-                   ("" if i is None else str(i), "" if slot is None else str(slot), fill), where
+                   (" ".join(str(i) for i, _ in who), " ".join(str(slot) for _, slot in who), fill), where
             drawn = painted_cells(block, probed)
-            assert drawn == [(kind, EMPTY if kind == "free" else colour_of(who)) for kind, who in cells], \
-                f"{where}: drawn {drawn}, recorded {cells}"
+            recorded = [(kind, (EMPTY,) if kind == "free" else tuple(colour(kind, i) for i in whose))
+                        for kind, whose in cells]
+            assert drawn == recorded, f"{where}: drawn {drawn}, recorded {recorded} ({cells})"
 
 
 def test_the_cache_cells_are_the_engines(probed):
     """Planted: the block tables read one block off; a block filled as far as kv_used reaches, or as far
     as its holder's n_cached from its table's start; a row's keys drawn in its table's first block; the
-    reserved but empty cells painted as held."""
+    reserved but empty cells painted as held; a shared block drawn for one holder, or in one colour; a
+    kept block painted in its holder's full colour."""
     assert any(run["kv_blocks"] for run in probed.data["runs"]) and not all(run["kv_blocks"] for run in
                                                                           probed.data["runs"])
     check_planted(check_cache_cells, probed, "block tables shifted by one", "fill from kv_used",
-                  "fill from the table's start", "writes into the table's first block", "empty painted as held")
+                  "fill from the table's start", "writes into the table's first block", "empty painted as held",
+                  "one holder per block", "shared painted in one colour", "kept painted as held")
 
 
 def check_cache_figures(probed, looks):
-    """The cache's figures are the report's: kv_used of kv_total, the positions reserved but empty, the
-    blocks (per slot: slots) free; paged, each busy slot's block table and positions."""
+    """The cache's figures are the report's: kv_used of kv_total (a shared block's positions once: worked
+    out here too), the positions reserved but empty, the blocks (per slot: slots) free, a block shared
+    counted once, and with a prefix cache how many of them are kept; paged, each busy slot's block table
+    and positions."""
     for (link, run, step), look in zip(probed.links, looks):
-        report = probed.shown.reports[run["name"]][run["steps"].index(step)]
+        reports = probed.shown.reports[run["name"]]
+        report, blocks = reports[run["steps"].index(step)], recorded_cache(run, reports, run["steps"].index(step))
         n_blocks = run["kv_blocks"] or run["n_slots"]
-        n_held, unit = sum(map(len, report.block_tables)), "block" if run["kv_blocks"] else "slot"
+        held = [fill for who, fill, _ in blocks.values() if who]
+        n_held, n_in_use, unit = len(held), sum(held), "block" if run["kv_blocks"] else "slot"
+        n_shared = sum(len(who) > 1 for who, _, _ in blocks.values())
+        assert n_in_use == report.kv_used, f"{link}: kv_used {report.kv_used}, positions in use {n_in_use}"
         wanted = [f"in use: {report.kv_used} of {report.kv_total} positions hold a token",
-                  f"{(n_empty := n_held * report.kv_total // n_blocks - report.kv_used)} "
+                  f"{(n_empty := n_held * report.kv_total // n_blocks - n_in_use)} "
                   f"position{'' if n_empty == 1 else 's'} reserved but empty",
-                  f"free: {n_blocks - n_held} of {n_blocks} {unit}{'' if n_blocks == 1 else 's'}"]
+                  f"free: {n_blocks - n_held} of {n_blocks} {unit}{'' if n_blocks == 1 else 's'}" +
+                  (f", {len(report.cached_free)} of them kept" if run["prefix_cache"] else "")]
+        wanted += [f"({n_shared} shared)", "a shared block's once"] if n_shared else []
         assert all(text in look["figures"] for text in wanted), f"{link}: {look['figures']!r}, not {wanted}"
         tables = [(slot, f"{report.n_cached[slot]} positions, block_table [{', '.join(map(str, table))}]")
                   for slot, table in enumerate(report.block_tables) if table] if run["kv_blocks"] else []
@@ -966,8 +1103,9 @@ def check_cache_figures(probed, looks):
 
 
 def test_the_cache_figures_are_the_engines(probed):
-    """Planted: the blocks free counted as the blocks less the requests holding some."""
-    check_planted(check_cache_figures, probed, "free counted in requests")
+    """Planted: the blocks free counted as the blocks less the requests holding some, or less the entries
+    of the block tables (a shared block counted once for each holder)."""
+    check_planted(check_cache_figures, probed, "free counted in requests", "free counted in table entries")
 
 
 def check_preemptions(probed, looks):
@@ -993,20 +1131,157 @@ def check_preemptions(probed, looks):
 
 
 def test_a_preemption_shows_in_the_line_and_the_cache(probed):
-    """In the paged run worked by hand, B is preempted at step 1, its block 2 freed; back at step 2 in slot 0,
-    its chunk says it feeds its prompt and answer again. Planted: the freed blocks looked up in the step's
-    own tables (where the preempted request is no more); the step's line without its !K."""
-    paged = next(run for run in probed.data["runs"] if run["name"] == "paged")
-    assert [(step["step"], step["preempted"]) for step in paged["steps"] if step["preempted"]] == [(1, [1])]
+    """In the paged runs worked by hand, B (in slot 1) is preempted at step 4, its blocks 2, 3, 5 freed; back
+    at step 5 in slot 0, its chunk says it feeds its prompt and answer again: all of it, or, with the prefix
+    cache, what its kept blocks 2, 3 do not hold. Planted: the freed blocks looked up in the step's own
+    tables (where the preempted request is no more); the step's line without its !K."""
     looks = dict(zip([link for link, _, _ in probed.links], probed.looked["as written"]))
-    assert "B's prompt and answer again (preempted at step 1), positions 0-2, into slot 0; all in: its next token" \
-        in " ".join(looks["run=paged&step=2"]["captions"])
+    for name, again in [("paged", "positions 0-5, into slot 0"),
+                        ("prefix cache", "positions 4-5, into slot 0 (positions 0-3 found cached)")]:
+        run = next(run for run in probed.data["runs"] if run["name"] == name)
+        assert [(step["step"], step["preempted"]) for step in run["steps"] if step["preempted"]] == [(4, [1])], name
+        assert run["steps"][3]["occupants"] == [0, 1] and run["steps"][5]["occupants"] == [1, None], name
+        assert f"B's prompt and answer again (preempted at step 4), {again}; all in: its next token" \
+            in " ".join(looks[f"run={name}&step=5"]["captions"]), name
+    assert "!Bits blocks 2, 3, 5 (kept: 2, 3)" in looks["run=prefix cache&step=4"]["preemption"]
     check_planted(check_preemptions, probed, "freed from this step's tables", "preemptions left out of the line")
+
+
+def report_size(run, report):
+    """Positions a block: the pool's, or per slot a slot's."""
+    return report.kv_total // (run["kv_blocks"] or run["n_slots"])
+
+
+def check_prefix_cache(probed, looks):
+    """Part 4, at every step of the six runs: the blocks drawn kept are the report's cached_free, each
+    naming whoever held it last (whose keys it keeps); those drawn evicted are the ones the engine evicted
+    in that step (recorded as it took them), each naming whose keys it dropped, in a line that names them
+    too; those drawn found are the first found_cached / size entries of each admitted request's table; a
+    block in several tables names every holder. Runs without a prefix cache draw none of it."""
+    for (link, run, step), look in zip(probed.links, looks):
+        reports = probed.shown.reports[run["name"]]
+        index = run["steps"].index(step)
+        report, size = reports[index], report_size(run, reports[index])
+        letter = nanobatch.letter
+
+        def names(blocks):
+            return {block: " ".join(str(i) for i in last_holders(reports, index, block)) for block in blocks}
+
+        drawn = {kind: {block["block"]: block[kind] for block in look["blocks"] if block[kind]}
+                 for kind in ("kept", "evicted", "found")}
+        evicted = probed.evicted[run["name"]].get(report.step, [])
+        found = {}
+        for i, n_found in zip(report.admitted, report.found_cached):
+            table = report.block_tables[report.occupants.index(i)]
+            found.update((block, str(i)) for block in table[:n_found // size])
+        assert drawn == {"kept": names(report.cached_free), "evicted": names(evicted), "found": found}, \
+            f"{link}: drawn {drawn}, recorded kept {report.cached_free}, evicted {evicted}, found {found}"
+        for block in look["blocks"]:  # a block in several tables: its label and its title name them all
+            holders = [letter(i) for i, table in zip(report.occupants, report.block_tables) if block["block"] in table]
+            if len(holders) > 1:
+                assert f"shared by {', '.join(holders)}" in block["label"], f"{link}: {block['label']}"
+                each = " and ".join(rf"{who} \(its positions [^)]*\)" for who in holders)
+                assert re.match(rf"block {block['block']}: shared by {each}", block["title"]), link
+        for block in evicted:
+            kept_by = ", ".join(letter(i) for i in last_holders(reports, index, block))
+            now = ", ".join(letter(i) for i, table in zip(report.occupants, report.block_tables) if block in table)
+            assert f"block {block}, kept with {kept_by}'s keys, now {now}'s" in look["eviction"], f"{link}: {look}"
+        assert bool(look["eviction"]) == bool(evicted), link
+
+
+def test_the_prefix_cache_worked_by_hand(by_hand):
+    """The prefix cache run does what the comment above works out by hand: at each step, the blocks kept
+    after it, the admissions that found positions cached, the blocks the engine evicted (recorded in
+    the engine as it took them), the blocks in two tables at once; and the page's data are its reports'."""
+    run = next(run for run in by_hand.data["runs"] if run["name"] == "prefix cache")
+    evicted = by_hand.evicted["prefix cache"]
+    worked = {}
+    for step, report in zip(run["steps"], by_hand.shown.reports["prefix cache"]):
+        assert (step["found_cached"], step["cached_free"]) == (report.found_cached, report.cached_free)
+        listed = [block for table in step["block_tables"] for block in table]
+        facts = (step["cached_free"], [f"+{nanobatch.letter(i)}({n} found)" for i, n in
+                                       zip(step["admitted"], step["found_cached"]) if n],
+                 evicted.get(step["step"], []), sorted({block for block in listed if listed.count(block) > 1}))
+        if any(facts):
+            worked[step["step"]] = facts
+    assert worked == PREFIX_CACHE
+    assert all(not any(step["cached_free"] + step["found_cached"]) for run in by_hand.data["runs"]
+               if not run["prefix_cache"] for step in run["steps"]), "a cache without a prefix cache kept blocks"
+
+
+def test_a_shared_block_a_kept_one_and_an_eviction_as_drawn(probed):
+    """At step 11 of the prefix cache worked by hand, block 0 is listed by D and F, both named; blocks 2, 3, 5
+    are kept, B's; at step 10, block 4 was evicted, A's keys, now E's; at step 5, B found its own blocks.
+    Planted: kept blocks drawn as free, or as the step before left them; a block found taken for one
+    evicted; the evictions looked for in this step's kept blocks, not the step before's; the blocks found
+    read from the end of the table; a shared block drawn for one holder."""
+    looks = dict(zip([link for link, _, _ in probed.links], probed.looked["as written"]))
+    blocks = {block["block"]: block for block in looks["run=prefix cache&step=11"]["blocks"]}
+    assert (blocks[0]["request"], blocks[0]["label"]) == ("3 5", "block 0: shared by D, F, found")
+    assert "shared by D (its positions 0-1, entry 0 of slot 0's block table) and F (its positions 0-1, entry 0 " \
+           "of slot 1's block table)" in blocks[0]["title"]
+    assert [(b, blocks[b]["kept"], blocks[b]["label"]) for b in (2, 3, 5)] == \
+           [(2, "1", "block 2: keeps B's"), (3, "1", "block 3: keeps B's"), (5, "1", "block 5: keeps B's")]
+    assert "free, kept: it holds the keys of B's positions 0-1" in blocks[2]["title"]
+    step_10 = looks["run=prefix cache&step=10"]
+    assert "block 4, kept with A's keys, now E's" in step_10["eviction"]
+    assert next(block for block in step_10["blocks"] if block["block"] == 4)["label"] == "block 4: E, evicted"
+    assert "+B(4 found)its positions 0-3 in blocks 2, 3, kept" in looks["run=prefix cache&step=5"]["foundLine"]
+    assert "+F(2 found)its positions 0-1 in block 0, held by D: now shared" in \
+        looks["run=prefix cache&step=11"]["foundLine"]
+    assert "+D(2 found)its positions 0-1 in block 0, kept as C left after step 7" in \
+        looks["run=prefix cache&step=10"]["foundLine"]
+    check_planted(check_prefix_cache, probed, "kept drawn as free", "kept from the step before",
+                  "hits taken for evictions", "evictions against this step's kept", "found blocks from the table's end",
+                  "one holder per block")
+
+
+def check_found(probed, looks):
+    """Each admission that found positions cached says how many, as print_step does (+K(N found)), in the
+    step's events and, with the blocks it found them in, in the cache's found line; the packed rows of
+    its first feed say which positions it did not feed."""
+    for (link, run, step), look in zip(probed.links, looks):
+        report = probed.shown.reports[run["name"]][run["steps"].index(step)]
+        chips = next(chips for text, chips in look["info"] if text.startswith("events:"))
+        for i, n_found in zip(report.admitted, report.found_cached):
+            text = f"+{nanobatch.letter(i)}" + (f"({n_found} found)" if n_found else "")
+            assert text in chips, f"{link}: events {chips}, not {text}"
+            assert (f"{text}its positions 0-{n_found - 1} in block" in look["foundLine"]) == bool(n_found), link
+            if n_found and any(row["request"] == i for row in step["rows"]):  # what it feeds: the rest
+                assert f"positions 0-{n_found - 1} found cached" in " ".join(look["captions"]), \
+                    f"{link}: captions {look['captions']}"
+        assert bool(look["foundLine"]) == any(report.found_cached), f"{link}: {look['foundLine']!r}"
+
+
+def test_found_positions_show_in_the_events_and_the_cache(probed):
+    """+K(N found) in the events, in the cache's found line and in the caption of what it feeds; and in the
+    belt, a mark at the start of the stay its admission began, as many positions in its data as the report
+    says. Planted: the events without what each admission found; the captions without it."""
+    check_planted(check_found, probed, "found left out of the events", "found left out of the captions")
+    belt = re.search(r'<div class="belt" data-run="prefix cache">(.*?)</div>', probed.page, re.S)[1]
+    marks = sorted((int(a["data-request"]), int(a["data-step"]), int(a["data-found"]))
+                   for a in map(attributes, re.findall(r'<rect class="found"[^>]*>', belt)))
+    assert marks == sorted((i, report.step, n) for report in probed.shown.reports["prefix cache"]
+                           for i, n in zip(report.admitted, report.found_cached) if n) == \
+        [(1, 5, 4), (2, 7, 2), (3, 10, 2), (5, 11, 2)]
+
+
+def test_the_question_does_not_give_its_preemption_away(by_hand, tmp_path):
+    """With predict on, step 4 of the paged runs worked by hand shows the queue as admission left it, C
+    alone: not B, whom phase 3 preempts, at its head, where the step's report has it."""
+    links = ["run=paged&step=4&predict=1", "run=prefix cache&step=4&predict=1", "run=paged&step=5&predict=1"]
+    following = tmp_path / "following.html"
+    following.write_text(by_hand.page.replace("</body>", FOLLOW_LINKS.replace("LINKS", json.dumps(links))))
+    dom, _ = opened(following, "")
+    followed = json.loads(html.unescape(re.search(r'data-followed="([^"]*)"', dom)[1]))
+    assert [(got["step"], got["rows"]) for got in followed] == [("4", []), ("4", []), ("5", [])]
+    queues = [re.search(r"queue: [^)]*?(?=phases)", got["info"])[0] for got in followed]
+    assert queues == ["queue: 1 waiting C", "queue: 1 waiting C", "queue: 1 waiting C for blocks, a slot free"], queues
 
 
 def test_the_closing_message_names_the_step_it_links(by_hand, tmp_path, monkeypatch, capsys):
     """tools/explore.py ends with a link to step 12, or to a shorter run's last step, and says which:
-    here the gap run's last step, 11 (the fifth)."""
+    here the gap run's last step, 11 (the eighth)."""
     path = tmp_path / "belt.html"
     monkeypatch.setattr(explore, "run_for_file", lambda *args: (str(path), [], by_hand.shown))
     explore.main([str(path)])

@@ -6,7 +6,8 @@ The belt as a picture: an SVG panel per run, steps along x, slots along y.
 
 It runs the demo (or your prompts) exactly as nanobatch.py does, the belt on screen, then draws
 FILE from the runs' step reports: a bar per stay, where and as long as StepReport.occupants put the
-request in its slot (Part 3: a preempted request's stay ends early, and it comes back in another).
+request in its slot (Part 3: a preempted request's stay ends early, and it comes back in another;
+Part 4: a stay whose admission found positions in the prefix cache begins with a mark).
 tools/bench.py --svg FILE draws the bench's runs with the same functions.
 """
 import argparse
@@ -23,6 +24,7 @@ TITLE_H, GAP, STRIP_H, AXIS_H = 26, 6, 24, 30  # px: a panel's title, belt-to-st
 STEP_TIMES_H, SCALE_W = 40, 40  # px: the strip of step durations, and room right of it for its scale
 STEP_COLOUR = "#c0392b"  # a step's duration, red: a stall must stand out
 PREEMPTED_COLOUR = "#7b0000"  # the end of a stay cut by a preemption (Part 3): dark red, not a step's red
+FOUND_COLOUR = "#1b6e2f"  # the start of a stay whose admission found positions cached (Part 4): dark green
 HATCH = ('<pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform='
          '"rotate(45)"><rect width="3" height="6" fill="white" fill-opacity="0.6"/></pattern>')
 
@@ -66,6 +68,7 @@ class Stay:
     steps: list = field(default_factory=list)  # [(step, its character in the belt: '~' no token yet)]
     preempted_at: int | None = None  # the step whose report preempted it, ending this stay (Part 3)
     is_comeback: bool = False  # a stay after a preemption: its '~' steps feed its prompt and answer again
+    n_found: int = 0  # positions its admission found in the prefix cache (Part 4), not fed again
 
     @property
     def first(self):
@@ -80,14 +83,16 @@ def stays(reports):
     """Every stay on the belt, from the step reports' occupants and belts -> [Stay], by request, then
     step. Reports come one a step while anyone is on the belt (the clock jumps only over an empty
     one), so a stay is a run of consecutive reports with the same occupant in the same slot; a
-    preempted request is gone from occupants in the report that preempts it."""
+    preempted request is gone from occupants in the report that preempts it. A stay begins in the step
+    that admits it, whose report says what its admission found cached (Part 4)."""
     in_slot, latest, done = {}, {}, []  # slot -> the stay in it; request -> its latest stay
     for report in reports:
+        found = dict(zip(report.admitted, report.found_cached))  # request -> positions found, if admitted here
         for slot, i in enumerate(report.occupants):
             if slot in in_slot and in_slot[slot].request != i:  # its occupant left (or was preempted)
                 done.append(in_slot.pop(slot))
             if i is not None and slot not in in_slot:  # taken in: a new stay
-                in_slot[slot] = Stay(i, slot, is_comeback=i in latest)
+                in_slot[slot] = Stay(i, slot, is_comeback=i in latest, n_found=found.get(i, 0))
                 latest[i] = in_slot[slot]
             if i is not None:
                 in_slot[slot].steps.append((report.step, report.belt[slot]))
@@ -99,14 +104,17 @@ def stays(reports):
 def stay_svg(stay, step_w, row_h):
     """One stay: a bar from its first step to its last, the steps with no token yet hatched over (its
     prompt not all in the cache: it may wait for the prompt budget, or for the worker, before any of
-    it goes in; back after a preemption, its prompt and answer go in again), a dark red edge where it
-    was preempted, its letter if the bar has room for one, and a tooltip."""
+    it goes in; back after a preemption, its prompt and answer go in again), a dark green edge where its
+    admission found positions in the prefix cache, a dark red edge where it was preempted, its letter if
+    the bar has room for one, and a tooltip."""
     i, slot, first, last = stay.request, stay.slot, stay.first, stay.last
     x, y, height = LEFT + first * step_w, TITLE_H + slot * row_h, row_h - 1  # 1 px between rows
     width = (last - first + 1) * step_w
     hatched = [step for step, character in stay.steps if character == "~"]  # its first steps: no token yet
     n_tokens = len(stay.steps) - len(hatched)  # a token in every other step of the stay
     tip = f"request {letter(i)}, slot {slot}: steps {first}-{last}, {n_tokens} token{'' if n_tokens == 1 else 's'}"
+    if stay.n_found:
+        tip += f"; admitted with positions 0-{stay.n_found - 1} found in the prefix cache, not fed again"
     if hatched:  # in its slot, its prompt (and, back after a preemption, its answer) not all in the cache
         what = "its prompt and answer going in again" if stay.is_comeback else "its prompt not all in"
         tip += f"; no token yet in steps {hatched[0]}-{hatched[-1]}: {what}"
@@ -119,6 +127,9 @@ def stay_svg(stay, step_w, row_h):
     if hatched:
         parts.append(tag("rect", class_="prefill", data_request=i, x=LEFT + hatched[0] * step_w, y=y,
                          width=len(hatched) * step_w, height=height, fill="url(#hatch)"))
+    if stay.n_found:  # the bar's left end, over its first step
+        parts.append(tag("rect", class_="found", data_request=i, data_step=first, data_found=stay.n_found,
+                         x=x, y=y, width=min(3, width / 2), height=height, fill=FOUND_COLOUR))
     if stay.preempted_at is not None:  # the bar's right end, over its last step
         parts.append(tag("rect", class_="preempted", data_request=i, data_step=stay.preempted_at,
                          x=x + width - min(3, width / 2), y=y, width=min(3, width / 2), height=height,
@@ -180,24 +191,26 @@ def panel_svg(title, n_slots, reports, summary, step_times, step_w, n_axis_steps
                transform=f"translate(0, {top})"), top + axis_y + AXIS_H
 
 
-def legend_svg(has_step_times, has_preemptions):
+def legend_svg(has_step_times, has_preemptions, has_found=False):
     """Above the panels, what the marks mean, on as many lines as it takes -> (its SVG, its height)."""
-    keys = [([colour(2)], "a request in its slot, with its letter (hover over it: details)"),
-            ([colour(2), "url(#hatch)"], "no token yet: its prompt not all in" +
+    bar = tag("rect", width=20, height=14, fill=colour(2))  # a stay's bar, under its marks
+    keys = [(bar, "a request in its slot, with its letter (hover over it: details)"),
+            (bar + tag("rect", width=20, height=14, fill="url(#hatch)"), "no token yet: its prompt not all in" +
              (" (back after a preemption: its prompt and answer)" if has_preemptions else "")),
-            (["#eee"], "an idle slot"), (["#666"], "busy: the share of slots holding a request")]
-    keys += [([colour(2), PREEMPTED_COLOUR], "preempted: its blocks freed, back to the queue, to feed its prompt "
-                                             "and answer again")] if has_preemptions else []
-    keys += [([STEP_COLOUR], "ms: how long each step took"),
-             (["#bbb"], "a step in which no request decoded")] if has_step_times else []
+            (tag("rect", width=20, height=14, fill="#eee"), "an idle slot"),
+            (tag("rect", width=20, height=14, fill="#666"), "busy: the share of slots holding a request")]
+    keys += [(bar + tag("rect", x=17, width=3, height=14, fill=PREEMPTED_COLOUR), "preempted: its blocks freed, "
+              "back to the queue, to feed its prompt and answer again")] if has_preemptions else []
+    keys += [(bar + tag("rect", width=3, height=14, fill=FOUND_COLOUR), "found: its admission found positions "
+              "in the prefix cache, not fed again")] if has_found else []
+    keys += [(tag("rect", width=20, height=14, fill=STEP_COLOUR), "ms: how long each step took"),
+             (tag("rect", width=20, height=14, fill="#bbb"), "a step in which no request decoded")] \
+        if has_step_times else []
     parts, x, y = [], 8, 8
-    for fills, text in keys:
+    for swatch, text in keys:
         width = 26 + 6.5 * len(text)  # text at 12 px runs about 6.5 px a character
         if x + width > SVG_WIDTH:
             x, y = 8, y + 22
-        swatch = tag("rect", width=20, height=14, fill=fills[0]) + "".join(  # a second fill: hatching, or an edge
-            tag("rect", width=20, height=14, fill=fill) if fill.startswith("url") else
-            tag("rect", x=17, width=3, height=14, fill=fill) for fill in fills[1:])
         parts.append(tag("g", swatch + tag("text", escape(text), x=26, y=11, font_size=12),
                          transform=f"translate({x}, {y})"))
         x += width + 20
@@ -208,12 +221,13 @@ def belt_svg(*groups):
     """groups: each a list of panels [(title, n_slots, reports, summary, step_times)], runs of the
     same requests -> an SVG document, a panel per run, one under the other, each group on one step
     scale (and one scale of step durations), so that its runs compare by eye. reports: the run's
-    StepReports, each with .step, .occupants, .belt and .preempted: the stays are drawn from them;
-    summary: summarize()'s figures; step_times: None, or [(step, seconds, whether a request decoded)]
-    for a strip of step durations."""
+    StepReports, each with .step, .occupants, .belt, .preempted, .admitted and .found_cached: the
+    stays are drawn from them; summary: summarize()'s figures; step_times: None, or [(step, seconds,
+    whether a request decoded)] for a strip of step durations."""
     has_step_times = any(panel[4] for panels in groups for panel in panels)
     has_preemptions = any(report.preempted for panels in groups for panel in panels for report in panel[2])
-    legend, top = legend_svg(has_step_times, has_preemptions)
+    has_found = any(any(report.found_cached) for panels in groups for panel in panels for report in panel[2])
+    legend, top = legend_svg(has_step_times, has_preemptions, has_found)
     parts = [tag("defs", HATCH), legend]
     for g, panels in enumerate(groups):
         top += 4 * GAP if g else 0  # a gap between groups: each has scales of its own

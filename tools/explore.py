@@ -1,6 +1,7 @@
 """
 A real run, step by step, in one page: the belt, each step's packed rows, the masks they attended under, and
-the KV cache they left (per slot, a bar per slot; paged, the pool's blocks and the block tables).
+the KV cache they left (per slot, a bar per slot; paged, the pool's blocks and the block tables; with a
+prefix cache, the blocks shared, kept and evicted, and the positions each admission found cached).
 
     python tools/explore.py FILE [the options of nanobatch.py --demo]       the demo's two runs
     python tools/explore.py FILE --prompt TEXT [...]                        your prompts' run
@@ -19,10 +20,11 @@ import json
 import re
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanobatch.py and model.py
 from belt_svg import AXIS_H, HATCH, LEFT, RIGHT, SVG_WIDTH, TITLE_H, colour, panel_svg, run_for_file, tag  # noqa: E402
-from nanobatch import fail, letter  # noqa: E402
+from nanobatch import ROOM_TO_GROW, fail, letter  # noqa: E402
 
 LANE_H = 13  # px: one prompt held by the prefill worker, in its lane under the belt: room for a letter
 TEMPLATE = Path(__file__).resolve().with_name("explore.html")  # the page: its HTML, style and script
@@ -84,9 +86,9 @@ def run_data(run, requests, completions, reports, tokenizer=None):
     """One run, (name, n_slots, policy, prefill_chunk, disaggregate, kv_blocks, prefix_cache) as nanobatch.Shown.runs
     holds it, with its requests, completions and StepReports -> its part of the page's data. Every
     step's figures come from its StepReport, the cache's too (who sits in each slot, its positions
-    held, its block table: after the forward, before phase 7 retires anyone); the belt is drawn from
-    the reports too (belts_html), the worker's lane from the completions."""
-    name, n_slots, policy, prefill_chunk, disaggregate, kv_blocks, _ = run  # kv_blocks None: per slot (Part 3)
+    held, its block table, the blocks kept: after the forward, before phase 7 retires anyone); the belt
+    is drawn from the reports too (belts_html), the worker's lane from the completions."""
+    name, n_slots, policy, prefill_chunk, disaggregate, kv_blocks, prefix_cache = run  # kv_blocks None: per slot
     occupant = occupants(reports)
     steps = []
     for report in reports:
@@ -105,9 +107,12 @@ def run_data(run, requests, completions, reports, tokenizer=None):
             # The cache after the step's forward: each slot's request, positions holding a token, and
             # blocks (per slot, [slot]); the positions written this step are the rows' own
             occupants=report.occupants, n_cached=report.n_cached, block_tables=report.block_tables,
-            kv_used=report.kv_used, preempted=report.preempted))  # Part 3: sent back to the queue in phase 3
+            kv_used=report.kv_used, preempted=report.preempted,  # Part 3: sent back to the queue in phase 3
+            # Part 4: the positions each admitted request found cached, and the free blocks that keep their keys
+            found_cached=report.found_cached, cached_free=report.cached_free))
     return dict(name=name, n_slots=n_slots, policy=policy, prefill_chunk=prefill_chunk, disaggregate=disaggregate,
-                kv_blocks=kv_blocks, kv_total=reports[0].kv_total if reports else 0,  # the cache's positions
+                kv_blocks=kv_blocks, prefix_cache=prefix_cache,
+                kv_total=reports[0].kv_total if reports else 0,  # the cache's positions
                 requests=[request_data(i, request) for i, request in enumerate(requests)], steps=steps)
 
 
@@ -115,7 +120,8 @@ def page_data(shown, command=""):
     """What --demo or --prompt ran (nanobatch.Shown) -> the page's data: {"runs": [...]}, and more."""
     runs = [run_data(run, shown.requests, shown.completions[run[0]], shown.reports[run[0]], shown.tokenizer)
             for run in shown.runs]
-    return dict(command=command, has_text=shown.tokenizer is not None, runs=runs)
+    return dict(command=command, has_text=shown.tokenizer is not None, runs=runs,
+                room_to_grow=ROOM_TO_GROW)  # Part 3: the tokens of growth admission keeps free for each request
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,7 +199,7 @@ def main(argv=None):
     name, reports = shown.runs[0][0], shown.reports[shown.runs[0][0]]
     number = reports[min(12, len(reports) - 1)].step  # step 12, or the last of a shorter run
     print(f"\nthe run, step by step: {path} (open it in a browser; at step {number}, say: "
-          f"{Path(path).resolve().as_uri()}#run={name}&step={number})")
+          f"{Path(path).resolve().as_uri()}#run={quote(name, safe='')}&step={number})")  # a space as %20
     return shown
 
 
