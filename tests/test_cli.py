@@ -212,20 +212,43 @@ def test_cli_closed_pipe_ends_quietly(tmp_path):
     assert process.wait(timeout=100) == 141 and stderr == "", stderr
 
 
+def check_cut_table(stdout, run_name):
+    """The figures of the run up to Ctrl-C: its table, named '(cut)', whose tokens count the requests
+    still running and whose belt was full (the queue never emptied)."""
+    assert "interrupted after" in stdout and f"{run_name} (cut)" in stdout, stdout[-2000:]
+    rows = {line[:24].strip(): line[24:].split() for line in stdout.splitlines()}
+    assert int(rows["generated tokens"][-1]) > 0 and int(rows["mean occupancy"][-1].rstrip("%")) >= 90, stdout
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process is POSIX")
-@pytest.mark.parametrize("disaggregated", [[], ["--disaggregate"]])
-def test_cli_ctrl_c_shows_the_figures_so_far(tmp_path, disaggregated):
-    """Ctrl-C a few steps into the demo: exit status 130, and a table of the run up to there, whose
-    tokens count the requests still running and whose belt was full (the queue never emptied).
-    Disaggregated too: the prefill worker is stopped and joined on the way out."""
-    process = start_cli(tmp_path, "--demo", "--quick", *disaggregated)
+def test_cli_ctrl_c_shows_the_figures_so_far(tmp_path):
+    """Ctrl-C a few steps into the disaggregated demo, as a terminal sends it: exit status 130, the
+    table of the run up to there, and the prefill worker stopped and joined on the way out."""
+    process = start_cli(tmp_path, "--demo", "--quick", "--disaggregate")
     n_steps_seen = 0
     while n_steps_seen < 3:
         n_steps_seen += process.stdout.readline().startswith("step ")
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=100)
     assert process.returncode == 130, stderr[-2000:]
-    cut = "disaggregated (cut)" if disaggregated else "continuous (cut)"
-    assert "interrupted after" in stdout and cut in stdout, stdout[-2000:]
-    rows = {line[:24].strip(): line[24:].split() for line in stdout.splitlines()}
-    assert int(rows["generated tokens"][-1]) > 0 and int(rows["mean occupancy"][-1].rstrip("%")) >= 90, stdout
+    check_cut_table(stdout, "disaggregated")
+
+
+def test_cli_ctrl_c_in_the_loop_shows_the_figures_so_far(monkeypatch, capsys):
+    """The same in the plain demo, in this process: a KeyboardInterrupt (what Python makes of Ctrl-C)
+    from the loop's fourth forward ends it with status 130 and the table of the run up to there. A
+    child process, as the disaggregated case above starts, costs a second and a half, most of it
+    importing torch: the signal's way into Python is that case's to prove, the loop's way out this."""
+    forward_packed, n_forwards = GPT.forward_packed, [0]
+
+    def interrupted(model, packed, cache):
+        n_forwards[0] += 1
+        if n_forwards[0] == 4:
+            raise KeyboardInterrupt
+        return forward_packed(model, packed, cache)
+
+    monkeypatch.setattr(GPT, "forward_packed", interrupted)
+    with pytest.raises(SystemExit) as exit:
+        nanobatch.main(["--demo", "--quick"])
+    assert exit.value.code == 130
+    check_cut_table(capsys.readouterr().out, "continuous")
