@@ -149,10 +149,17 @@ def split_attention_everywhere(monkeypatch):
     return cuts
 
 
-@pytest.mark.parametrize("cut", ["by cost", "split"])  # one-token rows split at a cut only when it pays, or wherever
-@pytest.mark.parametrize("prefill_chunk", [None, 1, 5])  # whole prompts, a token a step, a few
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("n_slots", [1, 3, 16])  # one slot, a few, more slots than requests
+# The cases: 1, 3 or 16 slots (one, a few, more slots than requests), both policies, whole prompts or
+# a token a step or a few, one-token rows split at a cut only when it pays or wherever. One slot takes
+# continuous's case by cost only: a lone slot refills the step it frees under either policy, and a cut
+# over one row is its length, so its static and split runs are that run, step for step (as
+# test_one_slot_is_one_schedule shows); they were a quarter of this test's cases, and proved no more.
+CASES = [(n_slots, policy, prefill_chunk, cut) for n_slots in (1, 3, 16) for policy in POLICIES
+         for prefill_chunk in (None, 1, 5) for cut in ("by cost", "split")
+         if n_slots > 1 or (policy, cut) == ("continuous", "by cost")]
+
+
+@pytest.mark.parametrize("n_slots, policy, prefill_chunk, cut", CASES)
 def test_generate_matches_sequential(gpt_on, workload, n_slots, policy, prefill_chunk, cut, monkeypatch):
     """The heart of it: batching must change when tokens are computed, never which. Same tokens,
     same finish reasons as one request at a time through the plain forward, greedy and sampled,
@@ -178,6 +185,32 @@ def test_generate_matches_sequential(gpt_on, workload, n_slots, policy, prefill_
         assert [(c.admit_step, c.finish_step) for c in got] == [(c.admit_step, c.finish_step) for c in reference]
     if cuts is not None and n_slots > 1:
         assert any(cut < longest for cut, longest in cuts), "no step split its one-token rows"
+
+
+def test_one_slot_is_one_schedule(gpt, monkeypatch):
+    """With one slot, static batching and a cut wherever it splits rows are continuous batching by
+    cost, step for step: the same reports, rows and logits. So test_generate_matches_sequential runs
+    one slot's case once. Prompts fed a token a step: the most one-token rows a cut could split."""
+    requests = random_workload(seed=9, sampled=True)
+
+    def steps(policy):
+        reports = []
+        completions = generate(gpt, requests, n_slots=1, max_len=MAX_LEN, eos_id=None, policy=policy, prefill_chunk=1,
+                               on_step=reports.append)
+        return [(c.tokens, c.admit_step, c.finish_step) for c in completions], torch.cat(
+            [r.logits for r in reports]), [(r.step, r.belt, r.sampled, r.admitted, r.waiting, None if r.packed is None
+                                            else (r.packed.tokens.tolist(), r.packed.positions.tolist(),
+                                                  [(rows, slot) for rows, slot, _ in r.packed.chunks]))
+                                           for r in reports]
+
+    def same(one, other):
+        return one[0] == other[0] and torch.equal(one[1], other[1]) and one[2] == other[2]
+
+    continuous = steps("continuous")
+    assert same(steps("static"), continuous), "one slot, static: another schedule"
+    cuts = split_attention_everywhere(monkeypatch)
+    assert same(steps("continuous"), continuous), "one slot, a cut wherever it splits: another schedule"
+    assert cuts and all(cut == longest for cut, longest in cuts), "a cut over one slot's row split it"
 
 
 @pytest.mark.parametrize("prefill_chunk", [None, 3])

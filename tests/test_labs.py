@@ -288,7 +288,7 @@ def phase(first_word):
 # as pytest calls it, with its parametrized arguments and its fixtures, made by the fixtures' own
 # functions (gpt, gpt_on, workload, explored_runs, ...; monkeypatch fresh for each case), on a CPU.
 # Each case is a tiny model's run, a tenth of a second or so; test_generate_matches_sequential has
-# 72 of them. So a run stops as soon as its test must fail (a greedy token, or an answer, unlike the
+# 54 of them. So a run stops as soon as its test must fail (a greedy token, or an answer, unlike the
 # reference's: first_difference fails it there anyway): a failing case costs a few steps. And a
 # case that a lab's change cannot reach (a roll over one slot; a greedy token, which never draws)
 # is not run: its run is main's, which passes, for the reason its lab's test checks.
@@ -637,17 +637,17 @@ def test_lab_2_static_from_continuous(monkeypatch, main_demo):
 # ---------------------------------------------------------------------------------------------
 # Lab 3: the mask
 #
-# The proof's test_generate_matches_sequential has 72 cases on a CPU, which Labs 3 and 8 count: each
+# The proof's test_generate_matches_sequential has 54 cases on a CPU, which Labs 3 and 8 count: each
 # is run here with the lab's change (a failing one stops at its first wrong token), but those that
 # the lab's test shows its change cannot reach (one slot, in 3a fed a token a step; in 8 greedy).
 
 
 def test_lab_3a_the_mask_sees_past_its_position(monkeypatch):
-    """A token that may see one position past its own. Of test_generate_matches_sequential's 72
-    cases on a CPU, the 16 that feed a token a step with one slot (runs the change cannot reach), or
-    with every row split off alone, pass: each row's L ends at its own position. The 56 others fail,
+    """A token that may see one position past its own. Of test_generate_matches_sequential's 54
+    cases on a CPU, the 10 that feed a token a step with one slot (runs the change cannot reach), or
+    with every row split off alone, pass: each row's L ends at its own position. The 44 others fail,
     with every disaggregated and packed-forward case, the teeth test at its first check, and the
-    page's test: 79 failed, 16 passed. The masks the forward ran under, which the page draws,
+    page's test: 67 failed, 10 passed. The masks the forward ran under, which the page draws,
     change: at the demo's step 8, a 1 past every row's own position but E's (39, the last of the
     one-token call's L = 40) and the last of L's chunk."""
     section = lab(3)
@@ -671,11 +671,15 @@ def test_lab_3a_the_mask_sees_past_its_position(monkeypatch):
     sequential = of_test(cases, "test_generate_matches_sequential")
     axes = {axis: list(dict.fromkeys(case.params[axis] for case in sequential))  # each axis's values, in order
             for axis in ("n_slots", "policy", "prefill_chunk", "workload", "cut")}
-    says(section, r"test_generate_matches_sequential runs (\d+) cases on a CPU \((\d+), (\d+) or (\d+) slots; (\w+) "
-         r"policies; whole prompts, (\d+) tokens a step or (\d+); greedy and sampled; (\w+) cuts\)", len(sequential),
-         *axes["n_slots"], len(axes["policy"]), *sorted(axes["prefill_chunk"][1:], reverse=True), len(axes["cut"]))
+    one_slot, *slots = axes["n_slots"]  # one slot: continuous by cost only, the others' runs being its own
+    assert {(case.params["policy"], case.params["cut"]) for case in sequential if case.params["n_slots"] == one_slot} \
+        == {("continuous", "by cost")}
+    says(section, r"test_generate_matches_sequential runs (\d+) cases on a CPU \((\d+) or (\d+) slots, (\w+) policies, "
+         r"(\w+) cuts, or (\d+) slot; whole prompts, (\d+) tokens a step or (\d+); greedy and sampled\)", len(sequential), *slots, len(axes["policy"]), len(axes["cut"]), one_slot,
+         *sorted(axes["prefill_chunk"][1:], reverse=True))
     assert axes["prefill_chunk"][0] is None and axes["workload"] == ["greedy", "sampled"]
-    assert len(sequential) == math.prod(len(values) for values in axes.values())
+    assert len(sequential) == (len(slots) * len(axes["policy"]) * len(axes["cut"]) + 1) * len(axes["prefill_chunk"]) \
+        * len(axes["workload"])
     passing = [case for case in sequential if case.passed]
     assert passing == [case for case in sequential if case.params["prefill_chunk"] == 1 and
                        (case.params["n_slots"] == 1 or case.params["cut"] == "split")], [case.id for case in passing]
@@ -708,9 +712,9 @@ def test_lab_3a_the_mask_sees_past_its_position(monkeypatch):
 
 
 def test_lab_3b_the_mask_reads_another_slots_keys(monkeypatch):
-    """Each one-token row scoring its neighbour's keys: 41 of test_generate_matches_sequential's 72
+    """Each one-token row scoring its neighbour's keys: 41 of test_generate_matches_sequential's 54
     cases fail, all with 3 or 16 slots; every 1-slot case passes (one slot rolled is itself: those
-    runs are main's), and so do some split cases: 59 failed, 36 passed. The teeth test's control
+    runs are main's), and so do some split cases: 59 failed, 18 passed. The teeth test's control
     fails; yet every mask the forward ran under is main's, so the page's grid cannot show it and the
     page's test passes: which slot is read is the cache's index."""
     section = lab(3)
@@ -981,9 +985,9 @@ def test_lab_7_batch_size():
 def test_lab_8_sampling(monkeypatch):
     """Per-request generators: seeded, batched equals sequential; seed=None, two runs of the same
     request differ, so nothing can equal them. The lab's snippet prints what its excerpt shows for
-    a seed. One generator shared by every request: every sampled case fails (36, one slot
+    a seed. One generator shared by every request: every sampled case fails (27, one slot
     included), the needle too, and every greedy case passes (greedy never draws: those runs are
-    main's): 43 failed, 42 passed."""
+    main's): 34 failed, 33 passed."""
     section = lab(8)
     gpt = tiny_gpt()
     assert matches_sequential(n_slots=3, sampled=True).passed
