@@ -1,9 +1,10 @@
 """
 What every test file shares, in one place: the tiny seeded models and their fixtures, the `offline`
-fixture, seeded workloads, the helpers that compare answers and print the worst difference, and the
-guard that keeps a hung prefill worker from hanging the suite. test_nanobatch.py (the proof) and each
-file of tests/ import the helpers they use (`from tests.common import ...`); the fixtures reach every
-test through conftest.py, `offline` (autouse) among them, so that no test touches the network.
+fixture, seeded workloads and the six requests worked by hand, the helpers that compare answers and
+print the worst difference, and the guard that keeps a hung prefill worker from hanging the suite.
+test_nanobatch.py (the proof) and each file of tests/ import the helpers they use (`from tests.common
+import ...`); the fixtures reach every test through conftest.py, `offline` (autouse) among them, so
+that no test touches the network.
 """
 import math
 import random
@@ -117,6 +118,20 @@ def random_workload(seed, n_requests=10, sampled=False):
         requests.append(Request(random_prompt(rng, n_prompt), n_new, temperature, top_k, seed=1000 + i,
                                 arrival=arrival))
     return requests
+
+
+# Six requests, A to F, on two slots, whose every step is worked out by hand: tests/test_reports.py
+# checks each StepReport field against it, tests/test_page.py what the page draws of them (its
+# comment works the six runs out in short). A, C, D and F begin with a system prompt of one block.
+SYSTEM = [1, 2]  # a system prompt that A, C, D and F begin with: one block of the paged runs
+HAND_WORKED = [(SYSTEM + [3], 5, 0), ([11, 12], 6, 0), (SYSTEM + [23], 1, 0),  # (prompt, tokens, arrival)
+               (SYSTEM + [33], 2, 10), ([41], 1, 10), (SYSTEM + [53], 1, 10)]
+
+
+def hand_worked_requests():
+    """HAND_WORKED's requests: past the system prompt, the tens of a prompt's ids name it (A's 3, B's
+    11, 12, C's 23); served with eos_id=None, each makes exactly its tokens."""
+    return [Request(prompt, max_new_tokens=n_tokens, arrival=arrival) for prompt, n_tokens, arrival in HAND_WORKED]
 
 
 # The prefill worker is a second thread: the tests that start it run through ends_within.

@@ -5,7 +5,6 @@ and events must be the engine's own.
 import contextlib
 import dataclasses
 import html
-import html.parser
 import io
 import itertools
 import json
@@ -23,8 +22,9 @@ import model as model_py
 import nanobatch
 from model import PackedStep
 from nanobatch import Request, generate
-from tests.common import MAX_LEN, REPO, random_workload, tiny_gpt
-import explore  # noqa: E402 (tools/, put on the path by tests.common)
+from tests.common import MAX_LEN, REPO, hand_worked_requests, random_workload, tiny_gpt
+import belt_svg  # noqa: E402 (tools/, put on the path by tests.common)
+import explore  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,18 +161,34 @@ def bits(mask):
     return ["".join(str(int(visible)) for visible in row) for row in mask.reshape(-1, mask.size(-1)).tolist()]
 
 
+def row_kinds(call, occupants):
+    """Each row's kind, from the forward's PackedStep and who held each slot: the D one-token rows,
+    then each chunk's (a chunk of one row: a one-token row alone past the cut); a slot no one holds,
+    padding."""
+    kinds = ["one-token"] * call.n_one_token
+    for chunk_rows, _, _ in call.chunks:
+        T = chunk_rows.stop - chunk_rows.start
+        kinds += ["chunk" if T > 1 else "alone past the cut"] * T
+    return ["padding" if occupants[slot] is None else kind for slot, kind in zip(call.slots.tolist(), kinds)]
+
+
 def check_against_forwards(data, reports, calls):
-    """Step by step: a step with a forward has exactly that call's rows and masks; one without has none."""
+    """Step by step: a step with a forward has exactly that call's rows and masks, its D and its cut
+    (the one-token call's L, its mask's last dimension); one without has none."""
     forward_steps = [(step, report) for step, report in zip(data["steps"], reports) if report.packed is not None]
     assert len(forward_steps) == len(calls), f"{len(forward_steps)} steps with a forward, {len(calls)} calls"
     for step in data["steps"]:
         if not any(step is s for s, _ in forward_steps):
             assert step["rows"] == [] and step["masks"] == [], f"step {step['step']}: rows without a forward"
+            assert (step["n_one_token"], step["cut"]) == (0, None), f"step {step['step']}: D or a cut without a forward"
     for (step, report), call in zip(forward_steps, calls):
         rows, where = step["rows"], f"step {step['step']}"
         assert [row["slot"] for row in rows] == call.slots.tolist(), where
         assert [row["position"] for row in rows] == call.positions.tolist(), where
         assert [row["token"] for row in rows] == call.tokens.tolist(), where
+        assert [row["request"] for row in rows] == [report.occupants[slot] for slot in call.slots.tolist()], where
+        assert [row["kind"] for row in rows] == row_kinds(call, report.occupants), where
+        assert (step["n_one_token"], step["cut"]) == (call.n_one_token, call.one_token_mask.size(-1)), where
         n_sampled = len(report.sampled) - len(report.handed_over)  # handovers come after the forward's rows
         sampled_rows, padding_rows = call.logit_rows[:n_sampled].tolist(), call.logit_rows[n_sampled:].tolist()
         assert [i for i, row in enumerate(rows) if row["sampled"]] == sorted(sampled_rows), where
@@ -263,6 +279,29 @@ def test_page_cache_is_the_step_reports(explored_runs, name):
         assert sum(len(step["preempted"]) for step in data["steps"]) >= 2, "no preemption on the page"
 
 
+def check_run_fields(run, ran, requests, reports):
+    """The run's own fields in its part of the page's data are what ran, (name, n_slots, policy,
+    prefill_chunk, disaggregate, kv_blocks, prefix_cache) as nanobatch.Shown holds it, and its reports'
+    kv_total; each request's letter, its colour (the belt's, belt_svg.colour) and its prompt's length."""
+    fields = ("name", "n_slots", "policy", "prefill_chunk", "disaggregate", "kv_blocks", "prefix_cache")
+    assert tuple(run[field] for field in fields) == tuple(ran), f"{run['name']}: the run, {ran}"
+    assert run["kv_total"] == reports[0].kv_total, f"{run['name']}: {run['kv_total']} positions"
+    assert run["requests"] == [dict(letter=nanobatch.letter(i), colour=belt_svg.colour(i), prompt_len=len(request.prompt))
+                               for i, request in enumerate(requests)], f"{run['name']}: the requests"
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_page_run_is_what_ran(explored_runs, name):
+    """A run's name, slots, policy, prompt budget, worker, pool, prefix cache, positions and requests in
+    the page's data are those it ran with (the tab, the cache's title and every '(a prompt token)' read
+    them)."""
+    data, reports, _ = explored_runs[name]
+    options = RUNS[name]
+    ran = (name, options["n_slots"], options["policy"], options["prefill_chunk"], options.get("disaggregate", False),
+           options.get("kv_blocks"), options.get("prefix_cache", False))
+    check_run_fields(data, ran, random_workload(seed=3, n_requests=7), reports)
+
+
 def leaks(data):
     """(step, mask slot, query row) wherever a query may see a position past its own."""
     return [(step["step"], mask["slot"], r) for step in data["steps"] for mask in step["masks"]
@@ -305,6 +344,8 @@ def test_quick_page_data_are_the_forwards(quick_page):
     """The data the page carries (parsed back out of it) are the forwards of both demo runs, in order."""
     _, _, data, calls, shown = quick_page
     assert [run["name"] for run in data["runs"]] == ["continuous", "static"]
+    for run, ran in zip(data["runs"], shown.runs):
+        check_run_fields(run, ran, shown.requests, shown.reports[ran[0]])
     for run in data["runs"]:
         n_calls = sum(report.packed is not None for report in shown.reports[run["name"]])
         check_against_forwards(run, shown.reports[run["name"]], calls[:n_calls])
@@ -322,90 +363,92 @@ def test_the_page_stands_alone(quick_page):
     assert all(url == "url(#hatch)" for url in re.findall(r"url\([^)]*\)", outside_the_data))
 
 
-class DrawnStep(html.parser.HTMLParser):
-    """What a dumped DOM shows: #shown-step's text, each .row's (slot, position), each .cell's data-visible
-    (the legend's sample cells have none)."""
-    def __init__(self):
-        super().__init__()
-        self.step_text, self.in_step, self.rows, self.cells = "", False, [], []
-
-    def handle_starttag(self, tag, attrs):
-        attrs = dict(attrs)
-        classes = (attrs.get("class") or "").split()
-        self.in_step = attrs.get("id") == "shown-step"
-        if "row" in classes:
-            self.rows.append((int(attrs["data-slot"]), int(attrs["data-position"])))
-        if "cell" in classes and "data-visible" in attrs:
-            self.cells.append(attrs["data-visible"])
-
-    def handle_data(self, data):
-        if self.in_step:
-            self.step_text += data
-
-    def handle_endtag(self, tag):
-        self.in_step = False
-
-
 def opened(path, link):
-    """Headless Chromium at FILE#link -> (the DOM as text, what it shows: a DrawnStep); without Chromium, a skip."""
+    """Headless Chromium at FILE#link -> the DOM as text, its scripts run; without Chromium, a skip.
+    The page's tests read what a script of theirs, put in the page, wrote into the DOM."""
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.skip("no Chromium here to open the page in (Debian: apt-get install chromium)")
-    dom = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
-                          f"{path.as_uri()}#{link}"], capture_output=True, text=True, timeout=30, check=True).stdout
-    shown = DrawnStep()
-    shown.feed(dom)
-    return dom, shown
-
-
-@pytest.mark.parametrize("run_name, step_number", [("continuous", 5), ("static", 12)])
-def test_a_deep_link_opens_on_its_step(quick_page, run_name, step_number):
-    """Headless Chromium at FILE#run=NAME&step=N shows step N: its number, its rows, its mask cells."""
-    path, _, data, _, _ = quick_page
-    _, shown = opened(path, f"run={run_name}&step={step_number}")
-    step = next(step for run in data["runs"] if run["name"] == run_name
-                for step in run["steps"] if step["step"] == step_number)
-    assert shown.step_text.strip() == str(step_number)
-    assert shown.rows == [(row["slot"], row["position"]) for row in step["rows"]]
-    assert "".join(shown.cells) == "".join("".join(mask["visible"]) for mask in step["masks"])
+    return subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                           f"{path.as_uri()}#{link}"], capture_output=True, text=True, timeout=30, check=True).stdout
 
 
 FOLLOW_LINKS = """<script>
-// Each link as if typed into the address bar (the page reads a link on load and on hashchange, with
-// one function): what it then shows, into the DOM for the test to read.
-const followed = LINKS.map((link) => {
-  history.replaceState(null, "", "#" + link);
-  window.dispatchEvent(new HashChangeEvent("hashchange"));
+// What the page shows as opened, at the link it was opened at; then each link as if typed into the
+// address bar (the page reads a link on load and on hashchange, with one function): what it then
+// shows, into the DOM for the test to read.
+function shownNow() {
   const notice = document.querySelector("#notice");
   return {step: document.querySelector("#shown-step").textContent.trim(), notice: notice.hidden ? "" : notice.textContent,
           rows: [...document.querySelectorAll("#packed .row")].map((row) => [+row.dataset.slot, +row.dataset.position]),
-          cells: document.querySelectorAll(".cell[data-visible]").length, hash: location.hash,
-          info: document.querySelector("#step-info").textContent};
+          cells: [...document.querySelectorAll(".cell[data-visible]")].map((cell) => cell.dataset.visible).join(""),
+          hash: location.hash, info: document.querySelector("#step-info").textContent,
+          titles: [...document.querySelectorAll("#packed .row")].map((row) => row.title),
+          captions: [...document.querySelectorAll("#packed .caption")].map((caption) => caption.textContent),
+          grids: [...document.querySelectorAll("#attention .grid")].map((grid) => [
+            grid.querySelector(".caption").textContent,
+            ...[...grid.querySelectorAll(".qrow .label")].map((label) => label.textContent)])};
+}
+const loaded = shownNow();
+const followed = LINKS.map((link) => {
+  history.replaceState(null, "", "#" + link);
+  window.dispatchEvent(new HashChangeEvent("hashchange"));
+  return shownNow();
 });
-document.body.dataset.followed = JSON.stringify(followed);
+document.body.dataset.followed = JSON.stringify({loaded, followed});
 </script>
 </body>"""
+OPENED_AT = ("static", 5)  # a step with padding, dummy queries, and a chunk that starts mid-prompt (its L past its T)
+FOLLOWED = ["run=Static&step=12", "run=static&step=abc", "run=static&step=100000", "run=continuous&step=12&predict=1"]
 
 
-def test_deep_links_that_name_nothing_here_or_ask_a_question(quick_page, tmp_path):
+@pytest.fixture(scope="module")
+def followed(quick_page, tmp_path_factory):
+    """The quick page opened once in headless Chromium at #run=static&step=5, FOLLOW_LINKS in it ->
+    (what it showed as opened, what it showed at each of FOLLOWED, the DOM at the end). One launch
+    for both tests below: a launch takes a second or more on two cores."""
+    _, page, _, _, _ = quick_page
+    path = tmp_path_factory.mktemp("following") / "following.html"
+    path.write_text(page.replace("</body>", FOLLOW_LINKS.replace("LINKS", json.dumps(FOLLOWED))))
+    dom = opened(path, "run={}&step={}".format(*OPENED_AT))
+    shown = json.loads(html.unescape(re.search(r'data-followed="([^"]*)"', dom)[1]))
+    return shown["loaded"], shown["followed"], dom
+
+
+def test_a_deep_link_opens_on_its_step(quick_page, followed):
+    """Headless Chromium at FILE#run=static&step=5 shows step 5 of the static run: its number, its
+    rows, its mask cells; and every row's title, every caption and every mask's caption and labels
+    are those worked out from its StepReport (wanted_rows, below): a chunk's L, say, past its T."""
+    _, _, data, _, shown = quick_page
+    loaded, _, _ = followed
+    name, number = OPENED_AT
+    index, step = next((k, step) for run in data["runs"] if run["name"] == name
+                       for k, step in enumerate(run["steps"]) if step["step"] == number)
+    assert loaded["step"] == str(number)
+    assert loaded["rows"] == [[row["slot"], row["position"]] for row in step["rows"]]
+    assert loaded["cells"] == "".join("".join(mask["visible"]) for mask in step["masks"])
+    titles, captions, grids = wanted_rows(shown.reports[name][index], shown.requests, {}, {})
+    assert (loaded["titles"], loaded["captions"], loaded["grids"]) == (titles, captions, grids)
+    chunks = [tuple(map(int, found)) for grid in grids for found in re.findall(r"T = (\d+) queries over L = (\d+)", grid[0])]
+    assert any(T < L for T, L in chunks) and "dummy" in str(grids) and "pad" in str(grids), \
+        "the step has no chunk that starts mid-prompt, or no padding, or no dummy query"
+
+
+def test_deep_links_that_name_nothing_here_or_ask_a_question(quick_page, followed):
     """A run not in the page opens the first run with a one-line notice naming the runs there are; a
     step that is not a number opens the first step, one past the end the last; &predict=1 opens the
     step as a question: no rows, no cells, no figure that follows from its packing, the link kept."""
-    _, page, data, _, _ = quick_page
-    links = ["run=Static&step=12", "run=static&step=abc", "run=static&step=100000", "run=continuous&step=12&predict=1"]
-    following = tmp_path / "following.html"
-    following.write_text(page.replace("</body>", FOLLOW_LINKS.replace("LINKS", json.dumps(links))))
-    dom, _ = opened(following, "")
-    followed = json.loads(html.unescape(re.search(r'data-followed="([^"]*)"', dom)[1]))
+    _, _, data, _, _ = quick_page
+    _, shown, dom = followed
     steps = {run["name"]: run["steps"] for run in data["runs"]}
     wanted = [steps["continuous"][12], steps["static"][0], steps["static"][-1]]  # continuous: the first run
-    for link, got, step in zip(links, followed, wanted):
+    for link, got, step in zip(FOLLOWED, shown, wanted):
         assert got["step"] == str(step["step"]), link
         assert got["rows"] == [[row["slot"], row["position"]] for row in step["rows"]], link
-    assert followed[0]["notice"] == 'No run named "Static" here; the runs are: continuous, static. Showing continuous.'
-    assert followed[1]["notice"] == followed[2]["notice"] == ""
-    question = followed[3]
-    assert question["step"] == "12" and question["rows"] == [] and question["cells"] == 0
+    assert shown[0]["notice"] == 'No run named "Static" here; the runs are: continuous, static. Showing continuous.'
+    assert shown[1]["notice"] == shown[2]["notice"] == ""
+    question = shown[3]
+    assert question["step"] == "12" and question["rows"] == [] and question["cells"] == ""
     assert question["hash"] == "#run=continuous&step=12&predict=1" and "M = ? rows" in dom
     assert "make a token" not in question["info"] and "prompt tokens" not in question["info"]
 
@@ -434,7 +477,7 @@ def test_predict_hides_the_next_step_until_revealed(quick_page, tmp_path):
     _, page, data, _, _ = quick_page
     pressed = tmp_path / "pressed.html"
     pressed.write_text(page.replace("</body>", PRESS_KEYS))
-    dom, _ = opened(pressed, "run=continuous&step=5")
+    dom = opened(pressed, "run=continuous&step=5")
     n_rows = len(next(step for step in data["runs"][0]["steps"] if step["step"] == 6)["rows"])
     assert 'data-asked="0 #run=continuous&amp;step=5&amp;predict=1 false"' in dom
     assert 'data-hidden="0 #run=continuous&amp;step=6&amp;predict=1 false"' in dom
@@ -513,19 +556,17 @@ def test_every_field_of_the_data_is_drawn(quick_page):
 # ---------------------------------------------------------------------------------------------
 # What the page draws, pinned in Chromium, on a schedule worked by hand
 #
-# Six requests on two slots (eos_id=None, so each makes exactly max_new_tokens), whose schedule is
-# worked out below, run six ways: continuous, static, disaggregated, continuous under a mask that
-# sees one position past its own, paged in a pool so small that a request is preempted, and the same
-# pool with a prefix cache, in which requests find, share, keep and evict blocks. The page of these
-# six runs is opened once in Chromium, where a probe runs the page's own script again, in a scope of
-# its own, at every step of every run: as written, and once per defect planted (its style or script
-# edited here as text). Each check below must pass on the page as written and fail on each defect
-# planted for it. One launch for them all: a launch of Chromium takes a second or more on two cores,
-# a run of the page's script milliseconds.
+# Six requests on two slots (HAND_WORKED, tests/common.py; eos_id=None, so each makes exactly
+# max_new_tokens), whose schedule is worked out below, run six ways: continuous, static,
+# disaggregated, continuous under a mask that sees one position past its own, paged in a pool so
+# small that a request is preempted, and the same pool with a prefix cache, in which requests find,
+# share, keep and evict blocks. The page of these six runs is opened once in Chromium, where a probe
+# runs the page's own script again, in a scope of its own, at every step of every run: as written,
+# and once per defect planted (its style or script edited here as text). Each check below must pass
+# on the page as written and fail on each defect planted for it. One launch for them all: a launch of
+# Chromium takes a second or more on two cores, a run of the page's script milliseconds.
 
-SYSTEM = [1, 2]  # a system prompt that A, C, D and F begin with: one block of the paged runs
-HAND_WORKED = [(SYSTEM + [3], 5, 0), ([11, 12], 6, 0), (SYSTEM + [23], 1, 0),  # (prompt, tokens, arrival)
-               (SYSTEM + [33], 2, 10), ([41], 1, 10), (SYSTEM + [53], 1, 10)]
+# (tests/test_reports.py works out every StepReport of these runs field by field; in short:)
 # continuous  step 0    |AB|  A, B admitted (their whole prompts, each a chunk), C waits     queue: C
 #             steps 1-3 |AB|  A and B decode                                                 queue: C
 #             step 4    |AB|  A's last token (its 5th)                                       queue: C
@@ -649,6 +690,28 @@ PLANTED = {  # a defect: (the style or the script, the text as written, the text
     "found blocks from the table's end": ("script", ".slice(0, step.found_cached[a] / size)",
                                           ".slice(-step.found_cached[a] / size)"),
     "preemptions left out of the line": ("script", "...finished, ...preempted]", "...finished]"),
+    "a block's positions one past its end": ("script", "span(holder.k * size, holder.k * size + size - 1)",
+                                             "span(holder.k * size, holder.k * size + size)"),
+    "a block's positions from its number": ("script", "span(holder.k * size, holder.k * size + size - 1)",
+                                            "span(block.block * size, block.block * size + size - 1)"),
+    "a block's tokens from its number": ("script", "const start = (first?.k ?? 0) * size, written",
+                                         "const start = block.block * size, written"),
+    "an answer's first token a prompt token": (
+        "script", "const isPrompt = row.request !== null && row.position < run.requests[row.request].prompt_len;",
+        "const isPrompt = row.request !== null && row.position <= run.requests[row.request].prompt_len;"),
+    "every row sampled": ("script", '(row.sampled ? "its logits sampled" : "not sampled")', '"its logits sampled"'),
+    "the one-token call's S from its L": ("script", "S = ${mask.rows.length} queries", "S = ${L} queries"),
+    "a chunk's L from its rows": ("script", "T = ${mask.rows.length} queries over L = ${L} positions",
+                                  "T = ${mask.rows.length} queries over L = ${mask.rows.length} positions"),
+    "every query a dummy": ("script", "oneTokenCall.rows.filter((r) => r === null).length", "oneTokenCall.rows.length"),
+    "a slot's fill from kv_used": ("script", "${letter(who)}, ${block.fill} of ${size}",
+                                   "${letter(who)}, ${step.kv_used} of ${size}"),
+    "the tab's policy the first run's": ("script", "const tabTitle = (run) => `${run.policy} batching",
+                                         "const tabTitle = (run) => `${DATA.runs[0].policy} batching"),
+    "the step count from the step's number": ("script", "(${index + 1} of ${run.steps.length}",
+                                              "(${step.step + 1} of ${run.steps.length}"),
+    "a whole prompt one to go": ("script", "const rest = run.requests[row.request].prompt_len - 1 - lastRow.position;",
+                                 "const rest = run.requests[row.request].prompt_len - lastRow.position;"),
     "the worker's prompts during the step": (
         "script", 'const held = step.at_worker.length ? chips(step.at_worker).join("") : "none";',
         'const during = [...step.at_worker, ...step.handed_over];\n'
@@ -690,7 +753,15 @@ function look(hash) {
           foundLine: document.querySelector("#cache .found-line")?.textContent ?? "",
           eviction: document.querySelector("#cache .eviction")?.textContent ?? "",
           tables: [...document.querySelectorAll("#cache .tables > span")].map((span) => [+span.dataset.slot,
-                                                                                         span.textContent])};
+                                                                                         span.textContent]),
+          texts: {count: document.querySelector("#step-count").textContent,  // every other text and title drawn
+                  packed: document.querySelector("#packed-title").textContent,
+                  cache: document.querySelector("#cache-title").textContent,
+                  tabs: [...document.querySelectorAll("#tabs button")].map((tab) => [tab.textContent, tab.title]),
+                  rows: [...document.querySelectorAll("#packed .row")].map((row) => row.title),
+                  grids: [...document.querySelectorAll("#attention .grid")].map((grid) => [
+                    grid.querySelector(".caption").textContent,
+                    ...[...grid.querySelectorAll(".qrow .label")].map((label) => label.textContent)])}};
 }
 // Each request's colour, as the browser paints it, and pale, as a kept block's cells (Part 4).
 const probe = document.body.appendChild(document.createElement("i"));
@@ -720,10 +791,6 @@ for (const [name, [style, script]] of Object.entries(VARIANTS)) {
 document.body.dataset.looked = JSON.stringify({colours, pale, looked});
 </script>
 </body>"""
-
-
-def hand_worked_requests():
-    return [Request(prompt, max_new_tokens=n_tokens, arrival=arrival) for prompt, n_tokens, arrival in HAND_WORKED]
 
 
 def run_by_hand(name):
@@ -786,7 +853,7 @@ def probed(by_hand, tmp_path_factory):
     probe = probe.replace("__VARIANTS__", json.dumps(variants).replace("<", "\\u003c"))  # no "</script>" in it
     path = tmp_path_factory.mktemp("probe") / "probed.html"
     path.write_text(page.replace("</body>", probe))
-    dom, _ = opened(path, "")
+    dom = opened(path, "")
     dumped = json.loads(html.unescape(re.search(r'data-looked="([^"]*)"', dom)[1]))
     for name, looks in dumped["looked"].items():
         assert isinstance(looks, list), f"the page's script, {name}, did not run: {looks}"
@@ -1272,11 +1339,334 @@ def test_the_question_does_not_give_its_preemption_away(by_hand, tmp_path):
     links = ["run=paged&step=4&predict=1", "run=prefix cache&step=4&predict=1", "run=paged&step=5&predict=1"]
     following = tmp_path / "following.html"
     following.write_text(by_hand.page.replace("</body>", FOLLOW_LINKS.replace("LINKS", json.dumps(links))))
-    dom, _ = opened(following, "")
-    followed = json.loads(html.unescape(re.search(r'data-followed="([^"]*)"', dom)[1]))
+    dom = opened(following, "")
+    followed = json.loads(html.unescape(re.search(r'data-followed="([^"]*)"', dom)[1]))["followed"]
     assert [(got["step"], got["rows"]) for got in followed] == [("4", []), ("4", []), ("5", [])]
     queues = [re.search(r"queue: [^)]*?(?=phases)", got["info"])[0] for got in followed]
     assert queues == ["queue: 1 waiting C", "queue: 1 waiting C", "queue: 1 waiting C for blocks, a slot free"], queues
+
+
+# ---------------------------------------------------------------------------------------------
+# Every text the page draws, and every title it shows on hover, worked out from the StepReports
+#
+# What a reader reads on the page (the step's figures and events, the packed rows' captions and
+# titles, each mask's caption and its rows' labels, each cache block's label and title, the tabs,
+# the titles over each part) is worked out below from the StepReports, the PackedStep each forward
+# ran on, and the requests, never from the page's data; at every step of the six runs worked by
+# hand the page must draw exactly it. So is every title in the belts (the SVG's <title>s, drawn by
+# belt_svg.py and explore.py in Python): each stay's and each bar of the worker's lane.
+
+
+def js_span(first, last):
+    """The page's span(): '5', or '5-7'."""
+    return f"{first}" if first == last else f"{first}-{last}"
+
+
+def js_number(x):
+    """A number as JavaScript prints it: 64, not 64.0."""
+    return f"{x:g}" if x != int(x) else f"{int(x)}"
+
+
+def wanted_rows(report, requests, preempted_at, found):
+    """The packed rows' titles, their groups' captions and the masks' captions and labels, from the
+    forward's PackedStep -> (row titles, group captions, grids: [caption, label of each query]).
+    preempted_at: {request: the step that last preempted it}; found: {request: the positions its latest
+    admission found in the prefix cache} (Part 4)."""
+    packed = report.packed
+    if packed is None:
+        return [], [], []
+    letter = nanobatch.letter
+    slots, positions, tokens = packed.slots.tolist(), packed.positions.tolist(), packed.tokens.tolist()
+    who = [report.occupants[slot] for slot in slots]
+    name = ["pad" if i is None else letter(i) for i in who]
+    kinds = row_kinds(packed, report.occupants)
+    is_prompt = [i is not None and position < len(requests[i].prompt) for i, position in zip(who, positions)]
+    sampled = set(packed.logit_rows[:len(report.sampled) - len(report.handed_over)].tolist())
+    titles = [f"row {r}: {'padding, for no one' if who[r] is None else 'request ' + name[r]}, slot {slots[r]}, "
+              f"position {positions[r]}{' (a prompt token)' if is_prompt[r] else ''}, token {tokens[r]}, {kinds[r]}, "
+              f"{'its logits sampled' if r in sampled else 'not sampled'}" for r in range(len(tokens))]
+
+    def found_words(i):
+        return f"positions {js_span(0, found[i] - 1)} found cached" if found.get(i) else ""
+
+    D, (S, _, cut) = packed.n_one_token, packed.one_token_mask.shape
+    captions, grids = [], []
+    if D:  # a prompt token among them: a one-token prompt, or the last of a longer one (its first blocks found)
+        prompts = [f"a one-token prompt: {name[r]}" if positions[r] == 0 else
+                   ", ".join(filter(None, [f"{name[r]}'s last prompt token", found_words(who[r])]))
+                   for r in range(D) if is_prompt[r]]
+        captions.append(f"rows {js_span(0, D - 1)}: one-token rows, D = {D}, attending together"
+                        + (f" ({'; '.join(prompts)})" if prompts else ""))
+        row_of_slot = {slot: r for r, slot in enumerate(slots[:D])}
+        grids.append([f"the one-token call: S = {S} queries, row s is slot s's (queries[slots[:D]] = q[:D]), over "
+                      f"L = {cut} positions of every slot (the cut)"]
+                     + [f"slot {s}: dummy, no row" if s not in row_of_slot else
+                        f"slot {s} \u2190 row {row_of_slot[s]}: {name[row_of_slot[s]]} p{positions[row_of_slot[s]]}"
+                        for s in range(S)])
+    for rows, slot, mask in packed.chunks:
+        first, last = rows.start, rows.stop - 1
+        T, L = mask.shape
+        found_here = f" ({found_words(who[first])})" if found_words(who[first]) else ""
+        where = f"positions {js_span(positions[first], positions[last])}, into slot {slot}{found_here}"
+        if kinds[first] == "alone past the cut":
+            captions.append(f"row {first}: {name[first]} alone past the cut")
+            caption = f"{name[first]} alone past the cut (at p{positions[first]}, the cut is {cut}): 1 query over " \
+                      f"L = {L} positions of slot {slot}"
+        elif who[first] in preempted_at:
+            captions.append(f"rows {js_span(first, last)}: {name[first]}'s prompt and answer again (preempted at step "
+                            f"{preempted_at[who[first]]}), {where}; "
+                            + ("all in: its next token" if last in sampled else "more next step"))
+            caption = f"{name[first]}'s chunk: T = {T} queries over L = {L} positions of slot {slot}"
+        else:
+            rest = len(requests[who[first]].prompt) - 1 - positions[last]
+            captions.append(f"rows {js_span(first, last)}: {name[first]}'s prompt, {where}"
+                            + (f"; {rest} more next step" if rest else ""))
+            caption = f"{name[first]}'s chunk: T = {T} queries over L = {L} positions of slot {slot}"
+        grids.append([caption] + [f"row {r}: {name[r]} p{positions[r]}" for r in range(first, last + 1)])
+    return titles, captions, grids
+
+
+def wanted_blocks(ran, reports, index, evicted):
+    """Each cache block's label and title (its hover text): whose positions it holds (a shared block:
+    every holder's), which of them hold a token, which were written this step, whether a preemption
+    freed it; Part 4, whose keys a kept block keeps, who found it this step, and whose keys the engine
+    evicted from it (evicted: the blocks the engine evicted in this step) -> [[label, title]]."""
+    name, n_slots, _, _, _, kv_blocks, _ = ran
+    report, letter = reports[index], nanobatch.letter
+    n_blocks = kv_blocks or n_slots
+    size = report.kv_total // n_blocks
+    holders = {block: [] for block in range(n_blocks)}  # block -> [(slot, request, k: its entry in the table)]
+    fill = dict.fromkeys(range(n_blocks), 0)  # block -> positions holding a token: a shared block's, for each holder
+    for slot, table in enumerate(report.block_tables):
+        for k, block in enumerate(table):
+            holders[block].append((slot, report.occupants[slot], k))
+            fill[block] = max(fill[block], min(size, max(0, report.n_cached[slot] - k * size)))
+    written = {}  # block -> offsets written this step, through the tables the forward read
+    if report.packed is not None:
+        tables = report.packed.block_tables
+        for slot, position in zip(report.packed.slots.tolist(), report.packed.positions.tolist()):
+            block = slot if tables is None else int(tables[slot, position // size])
+            written.setdefault(block, set()).add(position % size)
+    freed = {}  # block -> the request whose preemption freed it: its table a step before
+    for i in report.preempted:
+        before = reports[index - 1]
+        freed.update((block, i) for block in before.block_tables[before.occupants.index(i)])
+
+    def held_last(block):  # [(request, k)]: who listed block last before this step, in slot order
+        for earlier in reversed(reports[:index]):
+            listed = [(i, table.index(block)) for i, table in zip(earlier.occupants, earlier.block_tables)
+                      if block in table]
+            if listed:
+                return listed
+        return []
+
+    kept_for = {block: held_last(block) for block in report.cached_free}  # Part 4: free, its keys kept
+    evicted_from = {block: held_last(block) for block in evicted}
+    found_by = {}  # block -> the requests admitted now that found it: their tables' first found_cached / size
+    for i, n_found in zip(report.admitted, report.found_cached):
+        for block in report.block_tables[report.occupants.index(i)][:n_found // size]:
+            found_by.setdefault(block, []).append(i)
+
+    def names(listed):
+        return " and ".join(letter(i) for i, _ in listed)
+
+    def positions(k):
+        return js_span(k * size, k * size + size - 1)
+
+    drawn = []
+    for block in range(n_blocks):
+        held, filled = holders[block], fill[block]
+        first = (held[0][2] if held else 0) * size
+        tokens = f"{js_span(first, first + filled - 1)} hold{'s' if filled == 1 else ''} a token" if filled else ""
+        tokens += ", " if 0 < filled < size else ""
+        tokens += f"{js_span(first + filled, first + size - 1)} reserved, empty" if filled < size else ""
+        if not held:
+            holds = "free" if block not in kept_for else "free, kept: it holds the keys of " + \
+                (f"{names(kept_for[block])}'s positions {positions(kept_for[block][0][1])}" if kept_for[block]
+                 else "a full block") + ", matchable by a later request until evicted"
+        elif kv_blocks is None:
+            holds = f"request {letter(held[0][1])}'s; {tokens}"
+        elif len(held) > 1:
+            holds = "shared by " + " and ".join(f"{letter(i)} (its positions {positions(k)}, entry {k} of slot {slot}'s "
+                                                f"block table)" for slot, i, k in held) + \
+                ": the keys of their common prefix"
+        else:
+            slot, i, k = held[0]
+            holds = f"request {letter(i)}'s positions {positions(k)} (entry {k} of slot {slot}'s block table): {tokens}"
+        title = (f"slot {block}, positions 0-{size - 1}: " if kv_blocks is None else f"block {block}: ") + holds
+        if block in written:
+            title += f"; written this step: {js_span(first + min(written[block]), first + max(written[block]))}"
+        if block in found_by:
+            title += f"; found in the prefix cache this step by {' and '.join(letter(i) for i in found_by[block])}"
+        if block in evicted_from:
+            title += f"; evicted this step: it kept {names(evicted_from[block])}'s keys, dropped and wiped for new work"
+        if block in freed:
+            title += f"; freed this step, preempted from {letter(freed[block])}"
+        if kv_blocks is None:
+            i = held[0][1] if held else None
+            label = f"slot {block}: " + ("empty" if i is None else f"{letter(i)}, {filled} of {size}") + \
+                    (", handed over" if i is not None and i in report.handed_over else "")
+        else:
+            label = f"block {block}: " + ("shared by " if len(held) > 1 else "") + \
+                (", ".join(letter(i) for _, i, _ in held) if held else "" if block in kept_for else "free") + \
+                (f"keeps {', '.join(letter(i) for i, _ in kept_for[block])}'s" if block in kept_for else
+                 f", was {letter(freed[block])}'s" if block in freed else "") + \
+                (", evicted" if block in evicted_from else "") + (", found" if block in found_by else "")
+        drawn.append([label, title])
+    return drawn
+
+
+def wanted_info(ran, report):
+    """The step's figures, a part each, as their text reads (each part's chips and phase labels run on)."""
+    _, n_slots, _, prefill_chunk, disaggregate, kv_blocks, _ = ran
+    letter = nanobatch.letter
+    groups = [([f"+{letter(i)}" + (f"({n} found)" if n else "") for i, n in zip(report.admitted, report.found_cached)],
+               "phase 2"),
+              ([f"!{letter(i)}" for i in report.preempted], "phase 3, preempted"),
+              ([f">{letter(i)}" for i in report.handed_over], "phase 4b"),
+              ([f"-{letter(i)}({c.finish_reason},{len(c.tokens)})" for i, c in report.finished],
+               "phase 5, freed in phase 7")]
+    events = " ".join("".join(chips) + label for chips, label in groups if chips) or "none"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        nanobatch.print_step(report)
+    budget = "no limit" if prefill_chunk is None else prefill_chunk
+    packed = report.packed
+    n_padding = 0 if packed is None else sum(report.occupants[slot] is None for slot in packed.slots.tolist())
+    n_dummies = 0 if packed is None or not packed.n_one_token else packed.one_token_mask.size(0) - packed.n_one_token
+    n_idle = report.belt.count(".")
+    # Paged, a queue beside a slot free after admission (not one phase 3's preemptions freed) waits for blocks.
+    n_free = report.occupants.count(None) - len(report.preempted)
+    for_blocks = " for blocks, a slot free" if kv_blocks is not None and report.n_waiting and n_free else ""
+    info = [" ".join(printed.getvalue().split()), f"events: {events}",
+            f"queue: {report.n_waiting} waiting {''.join(letter(i) for i in report.waiting)}{for_blocks}phases 1-2",
+            f"{report.n_running}/{n_slots} make a token"
+            + (f", {report.n_prefilling} prefilling" if report.n_prefilling else "") + "phase 5",
+            f"prompt tokens: none here, the worker prefills them (its chunk: {budget})phase 3" if disaggregate else
+            f"prompt tokens {report.n_prompt_tokens} of {budget} (prefill_chunk)phase 3",
+            f"step {1e3 * round(report.step_s, 5):.1f} ms, model {1e3 * round(report.model_s, 5):.1f} msphase 4",
+            f"waste: {n_idle} slot{'' if n_idle == 1 else 's'} idle, {n_padding} padding row"
+            f"{'' if n_padding == 1 else 's'}, {n_dummies} dumm{'y query' if n_dummies == 1 else 'y queries'}"]
+    if disaggregate:
+        info.append(f"the prefill worker holds: {''.join(letter(i) for i in report.at_worker) or 'none'}Part 2")
+    return info
+
+
+def wanted_texts(shown, name, index, evicted):
+    """Everything the page draws as text at step `index` of run `name`, worked out from what ran (evicted:
+    the blocks the engine evicted in that step)."""
+    ran = next(run for run in shown.runs if run[0] == name)
+    _, n_slots, _, _, _, kv_blocks, prefix_cache = ran
+    reports = shown.reports[name]
+    report = reports[index]
+    preempted_at = {i: earlier.step for earlier in reports[:index] for i in earlier.preempted}  # the latest
+    found = {i: n for earlier in reports[:index + 1] for i, n in zip(earlier.admitted, earlier.found_cached)}
+    rows, captions, grids = wanted_rows(report, shown.requests, preempted_at, found)
+    M = 0 if report.packed is None else report.packed.tokens.numel()
+    pool = f"per slot, {n_slots} slots of {js_number(report.kv_total / n_slots)} positions" if kv_blocks is None \
+        else f"paged, a pool of {kv_blocks} blocks of {js_number(report.kv_total / kv_blocks)} positions" + \
+        (", with a prefix cache: full blocks shared, and kept once free" if prefix_cache else "")
+    tabs = [[other, f"{policy} batching, {slots} slots, prefill_chunk "
+                    f"{'none (whole prompts)' if chunk is None else chunk}{', the prompts on a worker' if worker else ''}"
+                    f"{'' if blocks is None else f', paged: {blocks} blocks'}{', a prefix cache' if prefix else ''}"]
+            for other, slots, policy, chunk, worker, blocks, prefix in shown.runs]
+    return dict(count=f"({index + 1} of {len(reports)} steps of {name})", tabs=tabs,
+                packed=f"the packed step: M = {M} rows, side by side, as one forward takes them"
+                       "phase 3: plan_step chooses, pack_step packs",
+                cache=f"the KV cache after the forward: {pool}phase 4: the forward writes each row's keys and "
+                      "valuesphase 6: the report records the cache",
+                rows=rows, captions=captions, grids=grids, blocks=wanted_blocks(ran, reports, index, evicted),
+                info=wanted_info(ran, report))
+
+
+def check_texts(probed, looks):
+    """At every step of the six runs, every text and title the page draws is the one worked out from
+    what ran (wanted_texts), word for word."""
+    for (link, run, step), look in zip(probed.links, looks):
+        evicted = probed.evicted[run["name"]].get(step["step"], [])
+        want = wanted_texts(probed.shown, run["name"], run["steps"].index(step), evicted)
+        drawn = dict(look["texts"], captions=look["captions"],
+                     blocks=[[block["label"], block["title"]] for block in look["blocks"]],
+                     info=[" ".join(look["info"][0][0].split())] + [text for text, _ in look["info"][1:]])
+        for part, wanted in want.items():
+            assert drawn[part] == wanted, f"{link}, {part}:\n  drawn {drawn[part]}\n  want  {wanted}"
+
+
+def test_every_text_and_title_is_the_reports(probed):
+    """Planted: a block's hover text one position past its end, or its positions (or the positions
+    that hold a token) counted from its number, not its entry in the table; a row's title calling its
+    first answer token a prompt token, or every row sampled; the one-token call's S read from its L;
+    a chunk's L read from its rows (B's chunk with the prefix cache, at step 5, starts at position 4);
+    the dummy queries counted as every query; a slot's label and a tab's title from the wrong field;
+    the step count from the step's number; a whole prompt left one to go."""
+    assert [text for text, _ in probed.looked["as written"][0]["info"]] and all(
+        look["texts"]["rows"] for look in probed.looked["as written"] if look["rows"]), "the probe read no text"
+    check_planted(check_texts, probed, "a block's positions one past its end", "a block's positions from its number",
+                  "a block's tokens from its number", "an answer's first token a prompt token", "every row sampled",
+                  "the one-token call's S from its L", "a chunk's L from its rows", "every query a dummy",
+                  "a slot's fill from kv_used", "the tab's policy the first run's",
+                  "the step count from the step's number", "a whole prompt one to go")
+
+
+def stays_by_hand(reports):
+    """Each stay on the belt, worked out from the reports on their own: a request's run of reports in
+    one slot -> [(request, slot, [(step, its belt character)], the step of the report that preempted
+    it or None, whether it came back after one, the positions its admission found cached)]."""
+    stays, open_stays, seen = [], {}, set()
+    for report in reports:
+        found = dict(zip(report.admitted, report.found_cached))  # Part 4: what each admission found cached
+        for slot, i in enumerate(report.occupants):
+            stay = open_stays.get(slot)
+            if stay is not None and stay[0] != i:  # its occupant left, retired or preempted
+                stays.append(open_stays.pop(slot))
+                stay = None
+            if i is not None:
+                if stay is None:
+                    open_stays[slot] = stay = (i, slot, [], [None], i in seen, found.get(i, 0))
+                    seen.add(i)
+                stay[2].append((report.step, report.belt[slot]))
+        for i in report.preempted:  # the stay that held it until now
+            last = max((stay for stay in stays if stay[0] == i), key=lambda stay: stay[2][-1][0])
+            last[3][0] = report.step
+    return stays + list(open_stays.values())
+
+
+def check_belt_titles(page, shown):
+    """Each stay's title in each run's belt, and each bar's in the worker's lane, is what the reports say."""
+    letter = nanobatch.letter
+    for name, *_ in shown.runs:
+        belt = re.search(rf'<div class="belt" data-run="{name}">(.*?)</div>', page, re.S)[1]
+        drawn = sorted(html.unescape(title) for title in re.findall(r"<g><title>(.*?)</title><rect class=\"stay\"", belt))
+        wanted = []
+        for i, slot, steps, (preempted,), came_back, n_found in stays_by_hand(shown.reports[name]):
+            hatched = [step for step, character in steps if character == "~"]
+            n_tokens = len(steps) - len(hatched)
+            title = f"request {letter(i)}, slot {slot}: steps {steps[0][0]}-{steps[-1][0]}, {n_tokens} token" + \
+                    ("" if n_tokens == 1 else "s")
+            if n_found:
+                title += f"; admitted with positions 0-{n_found - 1} found in the prefix cache, not fed again"
+            if hatched:
+                title += f"; no token yet in steps {hatched[0]}-{hatched[-1]}: " + \
+                         ("its prompt and answer going in again" if came_back else "its prompt not all in")
+            if preempted is not None:
+                title += f"; preempted at step {preempted}: its blocks freed, back to the head of the queue"
+            wanted.append(title)
+        assert drawn == sorted(wanted), f"{name}: the stays' titles\n  drawn {drawn}\n  want  {sorted(wanted)}"
+        lane = sorted(html.unescape(title) for title in re.findall(r'<rect class="held"[^>]*><title>([^<]*)</title>', belt))
+        admitted = {i: report.step for report in shown.reports[name] for i in report.admitted}
+        handed = {i: report.step for report in shown.reports[name] for i in report.handed_over}
+        assert lane == sorted(f"{letter(i)}: admitted at step {admitted[i]}, handed over at step {handed[i]}"
+                              for i in handed), f"{name}: the worker's lane's titles {lane}"
+
+
+def test_the_belts_titles_are_the_reports(by_hand):
+    """Each bar's hover text in the belts (the stays: steps, tokens, the positions found cached, the
+    steps with no token yet, a preemption; the worker's lane: admission and handover), against the
+    reports of the six runs."""
+    check_belt_titles(by_hand.page, by_hand.shown)
+    assert re.search(r"<title>[A-F]: admitted at step \d+, handed over", by_hand.page), "no bar in the worker's lane"
+    assert "preempted at step 4" in by_hand.page, "no preempted stay"
+    assert "admitted with positions 0-3 found in the prefix cache" in by_hand.page, "no stay that found positions"
 
 
 def test_the_closing_message_names_the_step_it_links(by_hand, tmp_path, monkeypatch, capsys):
