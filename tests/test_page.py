@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import threading
 import urllib.parse
+from decimal import ROUND_HALF_UP, Decimal
 from types import SimpleNamespace
 
 import pytest
@@ -1382,6 +1383,13 @@ def js_number(x):
     return f"{x:g}" if x != int(x) else f"{int(x)}"
 
 
+def js_fixed(x, digits):
+    """x.toFixed(digits), as JavaScript rounds: the exact value of the double, a tie rounded up (1.25 to
+    1.3), where Python's format rounds a tie to even (1.2). The page's times have five decimals of a
+    second, so a tie in milliseconds comes about one step in ten."""
+    return str(Decimal(x).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+
+
 def wanted_rows(report, requests, preempted_at, found):
     """The packed rows' titles, their groups' captions and the masks' captions and labels, from the
     forward's PackedStep -> (row titles, group captions, grids: [caption, label of each query]).
@@ -1559,7 +1567,8 @@ def wanted_info(ran, report):
             + (f", {report.n_prefilling} prefilling" if report.n_prefilling else "") + "phase 5",
             f"prompt tokens: none here, the worker prefills them (its chunk: {budget})phase 3" if disaggregate else
             f"prompt tokens {report.n_prompt_tokens} of {budget} (prefill_chunk)phase 3",
-            f"step {1e3 * round(report.step_s, 5):.1f} ms, model {1e3 * round(report.model_s, 5):.1f} msphase 4",
+            f"step {js_fixed(1e3 * round(report.step_s, 5), 1)} ms, model {js_fixed(1e3 * round(report.model_s, 5), 1)} ms"
+            "phase 4",
             f"waste: {n_idle} slot{'' if n_idle == 1 else 's'} idle, {n_padding} padding row"
             f"{'' if n_padding == 1 else 's'}, {n_dummies} dumm{'y query' if n_dummies == 1 else 'y queries'}"]
     if disaggregate:
