@@ -1471,9 +1471,10 @@ def wanted_blocks(ran, reports, index, evicted):
             block = slot if tables is None else int(tables[slot, position // size])
             written.setdefault(block, set()).add(position % size)
     freed = {}  # block -> the request whose preemption freed it: its table a step before
-    for i in report.preempted:
-        before = reports[index - 1]
-        freed.update((block, i) for block in before.block_tables[before.occupants.index(i)])
+    for i in report.preempted:  # (admitted and preempted in one step, it held none)
+        before = reports[index - 1] if index else None
+        if before is not None and i in before.occupants:
+            freed.update((block, i) for block in before.block_tables[before.occupants.index(i)])
 
     def held_last(block):  # [(request, k)]: who listed block last before this step, in slot order
         for earlier in reversed(reports[:index]):
