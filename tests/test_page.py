@@ -1511,8 +1511,8 @@ def wanted_blocks(ran, reports, index, evicted):
         elif kv_blocks is None:
             holds = f"request {letter(held[0][1])}'s; {tokens}"
         elif len(held) > 1:
-            holds = "shared by " + " and ".join(f"{letter(i)} (its positions {positions(k)}, entry {k} of slot {slot}'s "
-                                                f"block table)" for slot, i, k in held) + \
+            holds = "shared by " + " and ".join(f"{letter(i)} (its positions {positions(k)}, entry {k} of slot "
+                                                f"{slot}'s block table)" for slot, i, k in held) + \
                 ": the keys of their common prefix"
         else:
             slot, i, k = held[0]
@@ -1592,7 +1592,8 @@ def wanted_texts(shown, name, index, evicted):
         else f"paged, a pool of {kv_blocks} blocks of {js_number(report.kv_total / kv_blocks)} positions" + \
         (", with a prefix cache: full blocks shared, and kept once free" if prefix_cache else "")
     tabs = [[other, f"{policy} batching, {slots} slots, prefill_chunk "
-                    f"{'none (whole prompts)' if chunk is None else chunk}{', the prompts on a worker' if worker else ''}"
+                    f"{'none (whole prompts)' if chunk is None else chunk}"
+                    f"{', the prompts on a worker' if worker else ''}"
                     f"{'' if blocks is None else f', paged: {blocks} blocks'}{', a prefix cache' if prefix else ''}"]
             for other, slots, policy, chunk, worker, blocks, prefix in shown.runs]
     return dict(count=f"({index + 1} of {len(reports)} steps of {name})", tabs=tabs,
