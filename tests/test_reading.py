@@ -115,7 +115,7 @@ def stated_counts():
     tools = [name for name in TOOLS if (REPO / "tools" / name).exists()]
     return [
         (r"\| `nanobatch.py` \| (\d+) \|", [n_lines("nanobatch.py")]),
-        (r"\*\*Part 1, continuous batching\*\* \((\d+) lines", [part_lines(1)]),
+        (r"\*\*Part 1, continuous batching\*\* \((\d+)\s+lines", [part_lines(1)]),
         (r"\*\*Part 2, disaggregated prefill\*\* \((\d+) lines", [part_lines(2)]),
         (r"\*\*Part 3, paged attention\*\* \((\d+) lines", [part_lines(3)]),
         (r"\*\*Part 4, prefix caching\*\* \((\d+) lines", [part_lines(4)] if "# Part 4," in NANOBATCH.read_text()
@@ -125,7 +125,7 @@ def stated_counts():
         (r"\| `tests/` \| (\d+) \|", [sum(n_lines(path.relative_to(REPO)) for path in (REPO / "tests").glob("*.py"))]),
         (r"\| `tools/` \| " + r" \+ ".join([r"(\d+)"] * len(tools)) + r" \|",
          [n_lines(f"tools/{name}") for name in tools]),
-        (r"`PrefillWorker.prefill`, (\d+) lines", [function_lines("PrefillWorker", "prefill")]),
+        (r"`PrefillWorker.prefill`,\s+(\d+)\s+lines", [function_lines("PrefillWorker", "prefill")]),
     ]
 
 
@@ -142,6 +142,6 @@ def test_every_line_count_the_readme_states_is_true():
         assert match, f"the README no longer states {pattern}"
         assert [int(group) for group in match.groups()] == counts, f"the README says {match[0]!r}: the count is {counts}"
         checked.append(match.span())
-    for stray in re.finditer(r"\b\d+ lines\b", readme):
+    for stray in re.finditer(r"\b\d+\s+lines\b", readme):
         assert any(start <= stray.start() < end for start, end in checked), \
             f"the README states {stray[0]!r} (…{readme[stray.start() - 60:stray.end()]}) and no test checks it"
