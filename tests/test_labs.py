@@ -811,13 +811,16 @@ def test_lab_5_stalls():
     In steps, whole prompts feed 600 prompt tokens into one step, chunks of 64 spread each over 10
     steps, and the prefill worker's loop feeds none; chunks take the TTFT P50/P99 from 4/14 steps to
     9/26, and the long prompts' first tokens 9 to 15 steps later. In time, phase 4's forward of each
-    step that takes a long prompt whole lasts over twice the median step's; the prose's milliseconds
-    are the excerpt's.
-    Those forwards are timed again here, round after round (forward_seconds): the fastest long one
-    took at least 2.4x the median step in 40 runs beside a busy core. Read once, from the run's own
-    StepReport.step_s, the four long steps against the median step failed by chance on a busy machine:
-    with a busy core beside it, 2.5-3.3x in 7 runs of 8, and in the eighth 1.63x (its four long steps
-    at 1.65x, 1.63x, 3.4x and 3.5x the median: one step's time, read once, is the machine's too)."""
+    step that takes a long prompt whole lasts longer than the median step's, by a quarter at least;
+    the prose's milliseconds are the excerpt's.
+    Those forwards are timed again here, round after round (forward_seconds). Read once, from the
+    run's own StepReport.step_s, the four long steps against the median step failed "over twice" by
+    chance: with a busy core beside it, 2.5-3.3x in 7 runs of 8, and in the eighth 1.63x (its long
+    steps at 1.65x, 1.63x, 3.4x and 3.5x: one step's time, read once, is the machine's too). Timed
+    again, fastest round kept, the fastest long step took at least 2.4x the median step in 40 runs
+    beside a busy core, but 1.65x once with the machine's memory shared too: a step with no long prompt
+    mostly reads the quick model's 13 MB LM head, and waits on memory, as Lab 7's one slot does, while
+    a long prompt adds its rows' arithmetic. Longer by a quarter holds whatever the memory does."""
     section = lab(5)
     torch.manual_seed(0)
     model = nanobatch.GPT(nanobatch.TINY).eval()
@@ -876,7 +879,7 @@ def test_lab_5_stalls():
     others = [report.packed for report in whole if report.packed is not None and report.n_prompt_tokens < 600]
     assert len(long_steps) == 4
     seconds = forward_seconds(model, long_steps + others[::len(others) // 8][:8], args.slots, model.config.block_size)
-    assert min(seconds[:4]) > 2 * statistics.median(seconds[4:]), \
+    assert min(seconds[:4]) > 1.25 * statistics.median(seconds[4:]), \
         f"the long steps' forwards {seconds[:4]}, the others' {seconds[4:]}"
     check_every_figure_pinned(section, r"7 s on an idle machine", r"plan_step\(belt, 0\)")  # a time, the code
 

@@ -4,6 +4,7 @@ the prompts go to the worker only, where the worker runs, its failure raised in 
 hung, no thread outliving generate, and a worker with weights of its own waiting for them. A hang
 fails its test, not the suite: each run goes through `ends_within` (tests/common.py).
 """
+import threading
 import time
 import traceback
 from collections import Counter
@@ -124,19 +125,26 @@ def test_a_worker_failure_is_raised_not_hung(gpt, monkeypatch):
 @pytest.mark.parametrize("end", ["normal", "error", "Ctrl-C"])
 def test_no_thread_outlives_generate(gpt, monkeypatch, end):
     """However generate ends (all served, an error in the caller's on_step, Ctrl-C while prompts are
-    still queued for the worker), the worker is joined and the caller's thread setting is back. The
-    worker is slowed down, so that prompts do queue for it."""
+    still queued for the worker), the worker is joined and the caller's thread setting is back. When
+    the loop is to stop, the worker holds every prompt but its first until then, so that prompts do
+    queue for it, and it is mid-prompt as the loop stops: a missing join would be seen. (Slowed by a
+    sleep instead, it raced the loop: on a busy machine the loop took three steps as long as the
+    worker took seven prompts, and the queue was gone; seen once in three full runs beside a busy core.)"""
     raised, with_worker_when_stopped = {"error": ValueError, "Ctrl-C": KeyboardInterrupt}.get(end), []
-    forward_packed = GPT.forward_packed
+    forward_packed, n_prompts_started, stopped = GPT.forward_packed, [0], threading.Event()
 
-    def slow_worker(model, step, cache):  # mid-prompt when the loop stops: a missing join would be seen
-        if on_worker():
-            time.sleep(0.1)
+    def held_worker(model, step, cache):
+        if on_worker() and int(step.positions[0]) == 0:  # a prompt's first forward on the worker
+            n_prompts_started[0] += 1
+            if raised and n_prompts_started[0] > 1:
+                assert stopped.wait(TIMEOUT_S), "the loop never stopped"
+                time.sleep(0.2)  # still mid-prompt as generate ends: only a join waits for it
         return forward_packed(model, step, cache)
 
     def on_step(report):
         if raised and report.step == 2:
             with_worker_when_stopped.append(report.n_prefilling)
+            stopped.set()  # the worker goes on: generate must stop it, and join it, on its way out
             raise raised("stopped from on_step")
 
     def serve():  # a caller that asked for 3 threads, split 1 and 2: a setting not given back would show
@@ -149,13 +157,13 @@ def test_no_thread_outlives_generate(gpt, monkeypatch, end):
             torch.set_num_threads(before)  # torch's default for threads started later, as the suite set it
             assert threads_after == 3, "the caller's thread setting was not given back"
 
-    monkeypatch.setattr(GPT, "forward_packed", slow_worker)
-    requests = [Request([1] * 20, 4) for _ in range(12)]  # all at once: prompts queue for the worker
+    monkeypatch.setattr(GPT, "forward_packed", held_worker)
+    requests = [Request([1] * 20, 4) for _ in range(12)]  # all at once: 8 slots' prompts queue for the worker
     with pytest.raises(raised) if raised else nullcontext():
         ends_within(TIMEOUT_S, serve)
     assert worker_threads() == [], "the prefill worker outlived generate"
-    if raised:  # the worker holds one prompt at a time: the others were still in its inbox
-        assert with_worker_when_stopped[0] >= 2, with_worker_when_stopped
+    if raised:  # the first prompt handed over and decoding; the worker on the second, 6 in its inbox
+        assert with_worker_when_stopped == [7], with_worker_when_stopped
 
 def test_a_worker_failure_in_inference_mode_is_raised_not_hung(gpt, monkeypatch):
     """In the caller's inference mode too, a worker that fails makes generate raise its very error,
