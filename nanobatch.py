@@ -794,7 +794,8 @@ def check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_c
     checked_int(kv_blocks, "kv_blocks", 1, may_be_none=True)
     checked_int(kv_block_size, "kv_block_size", 1)
     if not isinstance(prefix_cache, bool) or (prefix_cache and kv_blocks is None):
-        raise ValueError(f"prefix_cache must be True or False, and True needs kv_blocks, got {reprlib.repr(prefix_cache)}")
+        raise ValueError(f"prefix_cache must be True or False, and True needs kv_blocks, "
+                         f"got {reprlib.repr(prefix_cache)}")
     if kv_blocks is None and kv_block_size != 16:
         raise ValueError(f"kv_block_size={kv_block_size} applies to a paged cache only: pass kv_blocks too")
     if kv_blocks is not None and (policy == "static" or disaggregate):
@@ -877,9 +878,10 @@ def step_report(step, step_start, belt, waiting, blocks, prompts, admitted, pree
         belt="".join("." if run is None else "~" if run.is_prefilling else letter(run.request_index) for run in belt),
         n_prefilling=sum(run is not None and run.is_prefilling for run in belt), n_prompt_tokens=n_prompt_tokens,
         admitted=[run.request_index for run in admitted], found_cached=[run.n_found for run in admitted],
-        cached_free=list(blocks.kept), finished=[(run.request_index, completions[run.request_index]) for run in finished],
+        cached_free=list(blocks.kept),
+        finished=[(run.request_index, completions[run.request_index]) for run in finished],
         model_s=model_s, step_s=time.perf_counter() - step_start, sampled=[run.request_index for run in sampled],
-        logits=torch.cat([logits] + [handover.logits[None] for handover in handovers]),  # (R, V)
+        logits=torch.cat([logits] + [handover.logits[None] for handover in handovers]) if handovers else logits,
         packed=packed if len(packed.tokens) else None,  # no token fed (Part 2: all at the worker), no forward to show
         occupants=[None if run is None else run.request_index for run in belt],
         waiting=[run.request_index for run in waiting],
@@ -1187,7 +1189,8 @@ def demo(args):
     prompts = [tokenizer.encode(DEMO_PROMPTS[i % len(DEMO_PROMPTS)]) if tokenizer else
                [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(4, 40))] for i in range(n_requests)]
     if args.prefix_cache:  # Part 4: every prompt after one system prompt (offline, 48 random tokens)
-        system = tokenizer.encode(DEMO_SYSTEM) if tokenizer else [rng.randrange(model.config.vocab_size) for _ in range(48)]
+        V = model.config.vocab_size
+        system = tokenizer.encode(DEMO_SYSTEM) if tokenizer else [rng.randrange(V) for _ in range(48)]
         prompts = [system + prompt for prompt in prompts]
     # A first wave fills the belt and queues up; the rest arrive, one every other step, while it runs.
     requests = [Request(prompt, max_new, args.temperature, args.top_k, seed=args.seed + i,
