@@ -90,7 +90,8 @@ class CausalSelfAttention(nn.Module):
         M, C = x.size()
         q, k, v = (t.view(M, self.n_head, C // self.n_head) for t in self.c_attn(x).split(C, dim=1))
         # q, k, v: each (M, nh, hs)
-        k_cache, v_cache = kv_cache  # each (n_blocks, block_size, nh, hs); per slot, (S, max_len, nh, hs)
+        kv, gathered = kv_cache  # (k|v, n_blocks, block_size, nh, hs), and the buffer slot_positions reuses
+        k_cache, v_cache = kv  # each (n_blocks, block_size, nh, hs); per slot, (S, max_len, nh, hs)
         # Store the new keys and values first, so that a token can attend to itself: one write of
         # M cells, each at its own (slot, position), or, paged, at the block and offset that its
         # slot's block table gives the position.
@@ -113,8 +114,7 @@ class CausalSelfAttention(nn.Module):
             one_token_slots = step.slots[:D]  # (D,)
             queries = q.new_zeros(S, self.n_head, 1, C // self.n_head)  # (S, nh, 1, hs)
             queries[one_token_slots] = q[:D, :, None]
-            keys = slot_positions(k_cache, step.block_tables, slice(None), L)  # (S, L, nh, hs)
-            values = slot_positions(v_cache, step.block_tables, slice(None), L)
+            keys, values = slot_positions(kv, gathered, step.block_tables, slice(None), L)  # each (S, L, nh, hs)
             out = F.scaled_dot_product_attention(
                 queries, keys.transpose(1, 2), values.transpose(1, 2),  # (S, nh, L, hs)
                 attn_mask=step.one_token_mask[:, None],  # (S, 1, 1, L): the same mask for every head
@@ -124,8 +124,7 @@ class CausalSelfAttention(nn.Module):
         # view): a prompt chunk, or the one token of a slot past the cut. No call pads to another's length.
         for rows, slot, mask in step.chunks:
             L = mask.size(-1)
-            keys = slot_positions(k_cache, step.block_tables, slice(slot, slot + 1), L)  # (1, L, nh, hs)
-            values = slot_positions(v_cache, step.block_tables, slice(slot, slot + 1), L)
+            keys, values = slot_positions(kv, gathered, step.block_tables, slice(slot, slot + 1), L)  # (1, L, nh, hs)
             # 4-D, a batch of one: the CPU's fused kernel takes 4-D inputs only; 3-D ones fall back to
             # plain matrix products, 1.6-3.8x slower for 64 tokens over 48-940 positions (12 heads of 64, 2 threads).
             out = F.scaled_dot_product_attention(
@@ -137,17 +136,22 @@ class CausalSelfAttention(nn.Module):
         return y.view(M, C)
 
 
-def slot_positions(cache, block_tables, slots, L):
-    """The first L positions of some slots, in position order: (n, L, nh, hs) from one layer's keys
-    (or values), cache (n_blocks, block_size, nh, hs). Per slot (block_tables None), block s is slot
-    s: a view, no copy. Paged (nanobatch Part 3), each slot's blocks are gathered in its block table's
-    order into a copy, since torch's attention wants a sequence's keys side by side; a paged kernel
-    (vLLM's) reads them where they lie. The copy costs what a per-slot read does not: measured in
+def slot_positions(kv, gathered, block_tables, slots, L):
+    """The first L positions of some slots, in position order: keys and values, (k|v, n, L, nh, hs), from
+    one layer's kv (k|v, n_blocks, block_size, nh, hs). Per slot (block_tables None), block s is slot s:
+    a view, no copy. Paged (nanobatch Part 3), each slot's blocks are gathered in its block table's order
+    into a copy, since torch's attention wants a sequence's keys side by side; a paged kernel (vLLM's)
+    reads them where they lie. The copy costs what a per-slot read does not: measured in
     docs/benchmarks.md."""
     if block_tables is None:
-        return cache[slots, :L]
-    n_blocks = -(-L // cache.size(1))  # the blocks that hold positions 0..L-1
-    return cache[block_tables[slots, :n_blocks]].flatten(1, 2)[:, :L]  # (n, n_blocks, block_size, ...) -> (n, L, ...)
+        return kv[:, slots, :L]
+    n_blocks = -(-L // kv.size(2))  # the blocks that hold positions 0..L-1
+    table = block_tables[slots, :n_blocks]  # (n, n_blocks)
+    # Into `gathered`, which the cache keeps from step to step for every layer: a fresh copy (19 MB of
+    # keys at 64 rows of 96 positions) is handed back to the system when freed and faulted in again,
+    # page by page, at every layer of every step. resize_(0) keeps its memory; index_select grows it.
+    torch.index_select(kv, 1, table.flatten(), out=gathered.resize_(0))  # (k|v, n * n_blocks, block_size, nh, hs)
+    return gathered.view(2, table.size(0), -1, *kv.shape[3:])[:, :, :L]  # (k|v, n, L, nh, hs)
 
 
 class MLP(nn.Module):
@@ -183,9 +187,10 @@ class KVCache:
         # (n_layer, k|v, n_blocks, block_size, nh, hs); per slot, n_blocks is S and block_size max_len
         shape = (config.n_layer, 2, n_blocks, block_size, config.n_head, head_size)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)  # zeros: see clear() for why
+        self.gathered = torch.empty(0, device=device, dtype=dtype)  # paged reads' copy: see slot_positions
 
-    def layer(self, i):
-        return self.kv[i, 0], self.kv[i, 1]  # views, each (n_blocks, block_size, nh, hs)
+    def layer(self, i):  # a view (k|v, n_blocks, block_size, nh, hs), and the one buffer every layer shares
+        return self.kv[i], self.gathered
 
     def clear(self, blocks, n_positions):
         """Zero the first n_positions of a sequence held in these blocks, in order: what its request
