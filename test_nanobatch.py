@@ -32,7 +32,7 @@ docs/labs.md (test_labs.py). All share one set of helpers and fixtures, tests/co
 imports the fixtures it uses by name (`offline`, autouse, keeps every test off the network), and
 tests/conftest.py hands them to every file under tests/.
 
-    python -m pytest -q                      (everything: about a minute on two CPU cores; no network)
+    python -m pytest -q                      (everything: a minute or so on two CPU cores; no network)
     python -m pytest -q test_nanobatch.py    (the proof alone)
 """
 import copy

@@ -55,7 +55,8 @@ def bench(args):
     runs = [("continuous", args.slots, "continuous", args.prefill_chunk, False, None, False),
             ("static", args.slots, "static", args.prefill_chunk, False, None, False),
             ("sequential", 1, "continuous", args.prefill_chunk, False, None, False)]
-    runs += [("disaggregated", args.slots, "continuous", args.prefill_chunk, True, None, False)] if args.disaggregate else []
+    if args.disaggregate:
+        runs.append(("disaggregated", args.slots, "continuous", args.prefill_chunk, True, None, False))
     warm_up(model, requests, runs, args)
     # eos_id=None: every answer runs to its drawn length, so real weights see the same workload.
     summaries, _, reports = run_all(model, requests, runs, args, eos_id=None, show_belt=False)
@@ -330,7 +331,8 @@ def same_memory(model, requests, args, n_slots, max_len, n_blocks, rows, prefill
     group warmed up, then timed -> ({name: summarize(...)}, {name: EXTRA_ROWS' figures})."""
     # Per slot, generate takes no block size without a pool: those runs keep the default it expects.
     per_slot_args = argparse.Namespace(**{**vars(args), "max_len": max_len, "kv_block_size": 16})
-    groups = [(per_slot_args, [(f"per slot {n_slots}x{max_len}", n_slots, "continuous", prefill_chunk, False, None, False)]),
+    groups = [(per_slot_args, [(f"per slot {n_slots}x{max_len}", n_slots, "continuous", prefill_chunk, False, None,
+                                False)]),
               (args, [(f"paged {n} rows", n, "continuous", prefill_chunk, False, n_blocks, False) for n in rows])]
     n_known, known_len = ceiling
     if n_known:
@@ -430,7 +432,8 @@ def prefix_caching(model, args):
     print(f"bench --prefix: {n_requests} requests, a system prompt of {SYSTEM_PROMPT} tokens and 4-16 of their own, "
           f"answers of {min(lengths)}-{max(lengths)} tokens, {args.slots} rows, {kv_blocks} blocks of "
           f"{args.kv_block_size}, GPT-2 {model.config.n_layer} layers, {args.device}, {args.dtype}")
-    for when, requests in [(f"{rate:g} a step", arriving), ("all at step 0", [replace(r, arrival=0) for r in arriving])]:
+    at_once = [replace(r, arrival=0) for r in arriving]
+    for when, requests in [(f"{rate:g} a step", arriving), ("all at step 0", at_once)]:
         runs = [(name, args.slots, "continuous", args.prefill_chunk, False, kv_blocks, cache)
                 for name, cache in [("cache", True), ("no cache", False)]]
         print(f"\narriving {when}:")
