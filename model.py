@@ -49,7 +49,7 @@ class GPTConfig:
 class PackedStep:
     """One engine step's tokens, packed: M tokens from any mix of slots, side by side, no padding
     between them (the only filler rows are those a static batch asks for on purpose). Rows [0, D)
-    hold one token each, every one in a slot of its own, and attend together over every slot. The
+    hold one token each, every one in a slot of its own, and attend together, in one call. The
     other rows come in chunks, each attending over its own slot: consecutive tokens of one prompt
     (or, past the step's attention_cut, one token of a long slot). Positions are a slot's own, 0 up;
     where a position's keys live in the cache is block_tables' business (None: slot s is block s).
@@ -90,8 +90,9 @@ class CausalSelfAttention(nn.Module):
         M, C = x.size()
         q, k, v = (t.view(M, self.n_head, C // self.n_head) for t in self.c_attn(x).split(C, dim=1))
         # q, k, v: each (M, nh, hs)
-        kv, gathered = kv_cache  # (k|v, n_blocks, block_size, nh, hs), and the buffer slot_positions reuses
-        k_cache, v_cache = kv  # each (n_blocks, block_size, nh, hs); per slot, (S, max_len, nh, hs)
+        # Each cache (n_blocks, block_size, nh, hs), per slot (S, max_len, nh, hs), with the buffer that
+        # a paged read gathers it into (slot_positions).
+        (k_cache, k_gathered), (v_cache, v_gathered) = kv_cache
         # Store the new keys and values first, so that a token can attend to itself: one write of
         # M cells, each at its own (slot, position), or, paged, at the block and offset that its
         # slot's block table gives the position.
@@ -103,28 +104,37 @@ class CausalSelfAttention(nn.Module):
         k_cache[blocks, offsets] = k
         v_cache[blocks, offsets] = v
         y = torch.empty_like(q)  # (M, nh, hs)
-        # One-token rows, in one call over the whole belt: the call's query s is slot s's (so its
-        # queries are in slot order, not row order), over the slot's first L positions, L the step's
-        # cut; per slot a view of the cache. A slot with no row here gets a dummy query whose output is
-        # dropped. Gathering just the D slots' keys instead copies them and measured slower than this
-        # whole attention (GPT-2 124M, 8 slots, CPU).
+        # One-token rows, in one call, each query over its slot's first L positions, L the step's cut.
+        # Per slot the call reads the whole belt, a view of the cache: its query s is slot s's (so its
+        # queries are in slot order, not row order), and a slot with no row here gets a dummy query
+        # whose output is dropped. Gathering just the D slots' keys instead copies them and measured
+        # slower than this whole attention (GPT-2 124M, 8 slots, CPU). Paged, every slot read is a
+        # copy, so the call reads only the D slots with a row, in row order: D in place of S below.
+        # With 24 of 64 slots busy, that step costs 0.88x per slot's; reading all 64, 1.04x (docs/benchmarks.md).
         D = step.n_one_token
         if D:
-            S, L = step.one_token_mask.size(0), step.one_token_mask.size(-1)
+            L = step.one_token_mask.size(-1)
             one_token_slots = step.slots[:D]  # (D,)
-            queries = q.new_zeros(S, self.n_head, 1, C // self.n_head)  # (S, nh, 1, hs)
-            queries[one_token_slots] = q[:D, :, None]
-            keys, values = slot_positions(kv, gathered, step.block_tables, slice(None), L)  # each (S, L, nh, hs)
+            if step.block_tables is None:  # the slots the call reads, and each row's place among them
+                read_slots, places = slice(None), one_token_slots
+            else:
+                read_slots, places = one_token_slots, slice(None)
+            one_token_mask = step.one_token_mask[read_slots]  # (S, 1, L)
+            queries = q.new_zeros(one_token_mask.size(0), self.n_head, 1, C // self.n_head)  # (S, nh, 1, hs)
+            queries[places] = q[:D, :, None]
+            keys = slot_positions(k_cache, k_gathered, step.block_tables, read_slots, L)  # (S, L, nh, hs)
+            values = slot_positions(v_cache, v_gathered, step.block_tables, read_slots, L)
             out = F.scaled_dot_product_attention(
                 queries, keys.transpose(1, 2), values.transpose(1, 2),  # (S, nh, L, hs)
-                attn_mask=step.one_token_mask[:, None],  # (S, 1, 1, L): the same mask for every head
+                attn_mask=one_token_mask[:, None],  # (S, 1, 1, L): the same mask for every head
             )  # (S, nh, 1, hs)
-            y[:D] = out[one_token_slots, :, 0]
+            y[:D] = out[places, :, 0]
         # Chunks, one call each: T queries over the first L positions of their own slot (per slot, a
         # view): a prompt chunk, or the one token of a slot past the cut. No call pads to another's length.
         for rows, slot, mask in step.chunks:
             L = mask.size(-1)
-            keys, values = slot_positions(kv, gathered, step.block_tables, slice(slot, slot + 1), L)  # (1, L, nh, hs)
+            keys = slot_positions(k_cache, k_gathered, step.block_tables, slice(slot, slot + 1), L)  # (1, L, nh, hs)
+            values = slot_positions(v_cache, v_gathered, step.block_tables, slice(slot, slot + 1), L)
             # 4-D, a batch of one: the CPU's fused kernel takes 4-D inputs only; 3-D ones fall back to
             # plain matrix products, 1.6-3.8x slower for 64 tokens over 48-940 positions (12 heads of 64, 2 threads).
             out = F.scaled_dot_product_attention(
@@ -136,22 +146,22 @@ class CausalSelfAttention(nn.Module):
         return y.view(M, C)
 
 
-def slot_positions(kv, gathered, block_tables, slots, L):
-    """The first L positions of some slots, in position order: keys and values, (k|v, n, L, nh, hs), from
-    one layer's kv (k|v, n_blocks, block_size, nh, hs). Per slot (block_tables None), block s is slot s:
-    a view, no copy. Paged (nanobatch Part 3), each slot's blocks are gathered in its block table's order
-    into a copy, since torch's attention wants a sequence's keys side by side; a paged kernel (vLLM's)
-    reads them where they lie. The copy costs what a per-slot read does not: measured in
-    docs/benchmarks.md."""
+def slot_positions(cache, gathered, block_tables, slots, L):
+    """The first L positions of some slots, in position order: (n, L, nh, hs) from one layer's keys
+    (or values), cache (n_blocks, block_size, nh, hs). Per slot (block_tables None), block s is slot
+    s: a view, no copy. Paged (nanobatch Part 3), each slot's blocks are gathered in its block table's
+    order into a copy, `gathered`, since torch's attention wants a sequence's keys side by side; a
+    paged kernel (vLLM's) reads them where they lie. The copy costs what a per-slot read does not:
+    measured in docs/benchmarks.md."""
     if block_tables is None:
-        return kv[:, slots, :L]
-    n_blocks = -(-L // kv.size(2))  # the blocks that hold positions 0..L-1
+        return cache[slots, :L]
+    n_blocks = -(-L // cache.size(1))  # the blocks that hold positions 0..L-1
     table = block_tables[slots, :n_blocks]  # (n, n_blocks)
-    # Into `gathered`, which the cache keeps from step to step for every layer: a fresh copy (19 MB of
-    # keys at 64 rows of 96 positions) is handed back to the system when freed and faulted in again,
-    # page by page, at every layer of every step. resize_(0) keeps its memory; index_select grows it.
-    torch.index_select(kv, 1, table.flatten(), out=gathered.resize_(0))  # (k|v, n * n_blocks, block_size, nh, hs)
-    return gathered.view(2, table.size(0), -1, *kv.shape[3:])[:, :, :L]  # (k|v, n, L, nh, hs)
+    # The KVCache keeps `gathered` from step to step, for every layer: a fresh copy (19 MB of keys at
+    # 64 rows of 96 positions) goes back to the system when freed, and is faulted in again, page by
+    # page, in every layer of every step. resize_(0) keeps its memory; index_select grows it if short.
+    torch.index_select(cache, 0, table.flatten(), out=gathered.resize_(0))  # (n * n_blocks, block_size, nh, hs)
+    return gathered.view(table.size(0), -1, *cache.shape[2:])[:, :L]  # (n, L, nh, hs)
 
 
 class MLP(nn.Module):
@@ -187,10 +197,11 @@ class KVCache:
         # (n_layer, k|v, n_blocks, block_size, nh, hs); per slot, n_blocks is S and block_size max_len
         shape = (config.n_layer, 2, n_blocks, block_size, config.n_head, head_size)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)  # zeros: see clear() for why
-        self.gathered = torch.empty(0, device=device, dtype=dtype)  # paged reads' copy: see slot_positions
+        # Paged reads' copies, of keys and of values, shared by every layer: see slot_positions.
+        self.gathered = (torch.empty(0, device=device, dtype=dtype), torch.empty(0, device=device, dtype=dtype))
 
-    def layer(self, i):  # a view (k|v, n_blocks, block_size, nh, hs), and the one buffer every layer shares
-        return self.kv[i], self.gathered
+    def layer(self, i):  # (keys, their buffer), (values, theirs): views, each (n_blocks, block_size, nh, hs)
+        return (self.kv[i, 0], self.gathered[0]), (self.kv[i, 1], self.gathered[1])
 
     def clear(self, blocks, n_positions):
         """Zero the first n_positions of a sequence held in these blocks, in order: what its request

@@ -702,10 +702,10 @@ def test_a_block_table_read_one_block_off_is_caught(gpt, monkeypatch):
     requests = random_workload(seed=3, n_requests=8)
     reference = generate_sequential(gpt, requests, max_len=MAX_LEN, eos_id=None)
 
-    def one_block_off(kv, gathered, block_tables, slots, L):
+    def one_block_off(cache, gathered, block_tables, slots, L):
         if block_tables is None:
-            return slot_positions(kv, gathered, block_tables, slots, L)
-        return slot_positions(kv, gathered, block_tables.roll(-1, dims=1), slots, L)
+            return slot_positions(cache, gathered, block_tables, slots, L)
+        return slot_positions(cache, gathered, block_tables.roll(-1, dims=1), slots, L)
 
     def paged():
         return generate(gpt, requests, n_slots=4, max_len=MAX_LEN, eos_id=None, kv_blocks=48, kv_block_size=3)

@@ -14,7 +14,8 @@ The benchmark: continuous batching against static and sequential, timed, on seed
    whole prompts, in chunks, and disaggregated, with their step durations.
 3) A table of decode steps at 8 to 64 slots, of different lengths: what the attention cut buys.
 4) --paged, on its own (it would add more than half again to the run above): per slot against paged
-   in the same KV memory, on the main workload and on the demo's, and the block tables' price.
+   in the same KV memory, on the main workload (12 requests a slot, answers of at most 64 tokens) and
+   on the demo's, and the block tables' price.
 5) --prefix, on its own: requests that share a system prompt, with the prefix cache and without, in
    the same pool, arriving in a stream and all at once.
 """
@@ -109,12 +110,12 @@ def bench(args):
     return [[(name, args.slots, reports[name], summaries[name], None) for name in shown], long_prompt_panels]
 
 
-def main_workload(model, args, n_slots):
-    """The main workload, printed in a line: 16 requests a slot (or --requests), all queued at step 0
-    (or --arrival-rate), prompts of 4-16 tokens, answers of long-tailed lengths, mean 16, at most 128."""
+def main_workload(model, args, n_slots, per_slot=16, cap=128):
+    """The main workload, printed in a line: per_slot requests a slot (or --requests), all queued at step 0
+    (or --arrival-rate), prompts of 4-16 tokens, answers of long-tailed lengths, mean 16, at most cap."""
     V, rng = model.config.vocab_size, random.Random(args.seed)
-    n_requests = args.requests or 16 * n_slots  # a steady stream: many more requests than slots
-    lengths = long_tailed(rng, n_requests, mean=16, cap=128)
+    n_requests = args.requests or per_slot * n_slots  # a steady stream: many more requests than slots
+    lengths = long_tailed(rng, n_requests, mean=16, cap=cap)
     requests = [Request([rng.randrange(V) for _ in range(rng.randint(4, 16))], n,
                         arrival=int(i / args.arrival_rate) if args.arrival_rate else 0)
                 for i, n in enumerate(lengths)]
@@ -178,34 +179,36 @@ def step_times(reports, completions):
     return [(report.step, report.step_s, report.n_running > first_tokens[report.step]) for report in reports]
 
 
-def time_decode_steps(model, belts, max_len, repeats=5, kv_block_size=None):
+def decode_step(model, positions, kv_block_size=None):
+    """One step's PackedStep, every slot decoding, slot s at position positions[s] -> the step read
+    per slot (slot s is block s), or, with kv_block_size, paged (Part 3), through block tables."""
+    n_slots = len(positions)
+    runs = [Running(slot, Request([0] * position, 2), slot, None, admit_step=0, n_cached=position, tokens=[0])
+            for slot, position in enumerate(positions)]  # each about to feed its first answer token
+    # Paged, slot s's b-th block is block b * n_slots + s: as in a pool that many requests have used,
+    # no slot's blocks lie side by side, and each table holds the blocks up to its position.
+    tables = None if kv_block_size is None else [[b * n_slots + slot for b in range(position // kv_block_size + 1)]
+                                                 for slot, position in enumerate(positions)]
+    return pack_step([(run, [0]) for run in runs], [], n_slots, model.lm_head.weight.device, tables)[0]
+
+
+def timed_forward(model, packed, cache):
+    """Seconds for one forward of a PackedStep, the device's work finished."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.forward_packed(packed, cache)
+    synchronize(model.lm_head.weight.device)
+    return time.perf_counter() - start
+
+
+def time_decode_steps(model, belts, max_len, repeats=5):
     """Seconds for one forward of each belt, every slot decoding, slot s of belt b at position
     belts[b][s], in one cache of max_len positions a slot: the median of `repeats` rounds, each round
-    running every belt once, so that the machine's drift falls on all belts alike. kv_block_size:
-    paged (Part 3), the same steps read through block tables, in a pool of the same memory."""
-    device, n_slots = model.lm_head.weight.device, len(belts[0])
-    if kv_block_size is None:
-        cache = model.new_cache(n_slots, max_len)
-    else:
-        cache = model.new_cache(n_slots * math.ceil(max_len / kv_block_size), kv_block_size)
-    steps = []
-    for positions in belts:
-        runs = [Running(slot, Request([0] * position, 2), slot, None, admit_step=0, n_cached=position, tokens=[0])
-                for slot, position in enumerate(positions)]  # each about to feed its first answer token
-        # Paged, slot s's b-th block is block b * n_slots + s: as in a pool that many requests have
-        # used, no slot's blocks lie side by side, and each table holds the blocks up to its position.
-        tables = None if kv_block_size is None else [[b * n_slots + slot for b in range(position // kv_block_size + 1)]
-                                                     for slot, position in enumerate(positions)]
-        steps.append(pack_step([(run, [0]) for run in runs], [], n_slots, device, tables)[0])
-    seconds = [[] for _ in belts]
-    with torch.no_grad():
-        for _ in range(1 + repeats):  # the first round warms up
-            for packed, times in zip(steps, seconds):
-                start = time.perf_counter()
-                model.forward_packed(packed, cache)
-                synchronize(device)
-                times.append(time.perf_counter() - start)
-    return [statistics.median(times[1:]) for times in seconds]
+    running every belt once, so that the machine's drift falls on all belts alike."""
+    cache = model.new_cache(len(belts[0]), max_len)
+    steps = [decode_step(model, positions) for positions in belts]
+    rounds = [[timed_forward(model, packed, cache) for packed in steps] for _ in range(1 + repeats)]  # 1st: warm-up
+    return [statistics.median(seconds[belt] for seconds in rounds[1:]) for belt in range(len(belts))]
 
 
 def attention_table(model):
@@ -239,7 +242,7 @@ def attention_table(model):
 # 4) Paged attention (nanobatch Part 3): the same KV memory, per slot and paged, side by side
 
 PAGED_ROWS = (4, 8)  # the paged runs' rows, in per-slot slots: more requests at once in the same memory
-N_PASSES = 3  # the main workload's runs, in turn, this many times: enough for a range on a noisy VM
+N_PASSES = 5  # the main workload's runs, in turn, this many times: enough for a range on a noisy, shared VM
 EXTRA_ROWS = {  # figures from the step reports that summarize() leaves out, in the same table
     "requests at once": "requests in a slot (decoding, or taking in their prompt): mean / peak over the steps",
     "reserved holding tokens": "of the positions reserved step by step (per slot: max_len for each slot taken; "
@@ -268,10 +271,11 @@ def paged_attention(model, args):
           f"slots of max_len={max_len}, paged as {n_blocks} blocks of {block_size} shared by "
           f"{' and '.join(map(str, rows))} rows")
 
-    # 1) The main workload, every request queued at once: where more requests at once should pay. The
-    #    runs in turn, N_PASSES times: this VM's speed drifts by 10-30% and more, so each ratio is taken
-    #    within a pass, and shown with its range over the passes.
-    requests = main_workload(model, args, n_slots)
+    # 1) The main workload, every request queued at once: where more requests at once should pay. 12
+    #    requests a slot, answers of at most 64 tokens, so that the ceiling's slots hold every sequence.
+    #    The runs in turn, N_PASSES times: this VM's speed drifts by 10-30% and more, so each ratio is
+    #    taken within a pass, and shown with its range over the passes.
+    requests = main_workload(model, args, n_slots, per_slot=12, cap=64)
     known_len = n_blocks * block_size // rows[-1]  # the ceiling's max_len: the memory's share of each slot
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
     ceiling = rows[-1] if longest <= known_len else None  # a sequence cut short would be other work
@@ -282,14 +286,17 @@ def paged_attention(model, args):
           f"same in each), then tokens/s in each pass")
     print_table(summaries)
     print_extra_rows(figures)
-    print(f"{'tokens/s, each pass':24}" + "".join(
-        f"{'/'.join(format(pass_[0][name]['tokens/s'], '.0f') for pass_ in passes):>18}" for name in summaries))
-    legend = {**nanobatch.LEGEND, **EXTRA_ROWS, "tokens/s, each pass": "tokens/s in each pass, in turn"}
+    for i, (runs, _) in enumerate(passes, 1):
+        print(f"{f'tokens/s, pass {i}':24}" + "".join(f"{runs[name]['tokens/s']:>18.0f}" for name in summaries))
+    legend = {**nanobatch.LEGEND, **EXTRA_ROWS, "tokens/s, pass N": "tokens/s in pass N: the runs in turn, each pass"}
     print("\n" + "\n".join(f"{row}: {meaning}" for row, meaning in legend.items()))
 
-    def over_passes(ratio):  # ratio(summaries, figures) of each pass -> its median and range
+    def over_passes(ratio, percent=False):  # ratio(summaries, figures) of each pass -> its median and range
         values = [ratio(*pass_) for pass_ in passes]
-        return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f} over {len(values)} passes)"
+        median, low, high = statistics.median(values), min(values), max(values)
+        if percent:
+            return f"{median:.0%} ({low:.0%}-{high:.0%} over {len(values)} passes)"
+        return f"{median:.2f}x ({low:.2f}-{high:.2f} over {len(values)} passes)"
 
     per_slot_name, paged_name = f"per slot {n_slots}x{max_len}", f"paged {rows[-1]} rows"
     print()
@@ -300,6 +307,9 @@ def paged_attention(model, args):
         known_name = f"per slot {ceiling}x{known_len}"
         print(f"tokens/s, as if lengths were known: {known_name} / {per_slot_name}: " +
               over_passes(lambda runs, _: runs[known_name]["tokens/s"] / runs[per_slot_name]["tokens/s"]))
+        for name in [f"paged {n} rows" for n in rows]:  # the ceiling: per slot, as if lengths were known
+            print(f"tokens/s, {name} / the ceiling, {known_name}: " +
+                  over_passes(lambda runs, _: runs[name]["tokens/s"] / runs[known_name]["tokens/s"], percent=True))
         # The same rows and, unless paged preempted, the same steps: the block tables' price in whole runs.
         same = "the same steps" if summaries[known_name]["steps"] == summaries[paged_name]["steps"] else \
             "OTHER steps: paged preempted"
@@ -385,35 +395,61 @@ def demo_workload(model, args, n_slots):
             for i, (prompt, n) in enumerate(zip(prompts, lengths))]
 
 
-def block_table_price(model, row_counts, block_size, n_rounds=5):
-    """Decode steps of the same belts per slot and paged (time_decode_steps), every slot decoding,
-    in n_rounds alternated rounds, so that the machine's drift falls on both alike: the ratio of each
-    round, its median and range. Paged, model.slot_positions gathers each slot's blocks into a copy
-    that a per-slot view does not make."""
+def block_table_price(model, row_counts, block_size, n_rounds=15):
+    """Decode steps of the same belts per slot and paged (decode_step), every slot decoding: per slot
+    in n_slots slots of max_len, paged in a pool of the same memory. A round times one step each way,
+    per slot first in one round and paged first in the next, so that the machine's drift falls on
+    both alike: the ratio of each round, its median and range. Paged, model.slot_positions gathers
+    each slot's blocks into a copy that a per-slot view does not make: then that copy timed alone
+    (time_gathers), what a kernel that reads the blocks where they lie would not spend."""
     max_len, config, device = model.config.block_size, model.config, model.lm_head.weight.device
-    belts = {"all at 48": lambda n: [48] * n, "all at 96": lambda n: [96] * n,  # the main workload's longest: 95
+    belts = {"all at 48": lambda n: [48] * n, "all at 96": lambda n: [96] * n,  # longer than any of the workload's: 80
              "spread 50-1000": lambda n: [50 + 950 * slot // max(1, n - 1) for slot in range(n)]}
     print(f"\ndecode steps through block tables of {block_size} (ms, per slot / paged: medians of {n_rounds} "
-          f"alternated rounds of 5 steps; then paged / per slot: the median and the range of the rounds)")
+          f"rounds of a step each way, alternated; then paged / per slot: the median and the range of the rounds)")
     print(f"{'':10}" + "".join(f"{name:>36}" for name in belts))
     for n_slots in row_counts:
-        try:  # per slot, n_slots x 1024 positions: 4.8 GB at 64 slots of GPT-2 124M in float32
-            model_py.check_cache_fits(config, n_slots, max_len, device, model.lm_head.weight.dtype)
+        try:  # both caches at once: per slot, n_slots x 1024 positions, 4.8 GB at 64 slots of GPT-2 124M in float32
+            model_py.check_cache_fits(config, 2 * n_slots, max_len, device, model.lm_head.weight.dtype)
         except ValueError as e:
             print(f"{n_slots} rows: not timed, {e}")
             continue
-        positions = [[length - 1 for length in belt(n_slots)] for belt in belts.values()]
-        per_slot, paged = [], []  # per round, each belt's seconds
-        for _ in range(n_rounds):
-            per_slot.append(time_decode_steps(model, positions, max_len))
-            paged.append(time_decode_steps(model, positions, max_len, kv_block_size=block_size))
-        cells = []
-        for belt in range(len(belts)):
-            ratios = [paged_round[belt] / per_slot_round[belt] for paged_round, per_slot_round in zip(paged, per_slot)]
-            cells.append(f"{1e3 * statistics.median(seconds[belt] for seconds in per_slot):.1f} / "
-                         f"{1e3 * statistics.median(seconds[belt] for seconds in paged):.1f}  "
+        caches = (model.new_cache(n_slots, max_len), model.new_cache(n_slots * math.ceil(max_len / block_size),
+                                                                     block_size))  # per slot, paged
+        cells, gather_cells = [], []
+        for belt in belts.values():
+            positions = [length - 1 for length in belt(n_slots)]
+            steps = (decode_step(model, positions), decode_step(model, positions, block_size))  # per slot, paged
+            seconds = ([], [])  # per slot, paged
+            for i in range(1 + n_rounds):  # the first round warms up
+                for way in ((0, 1) if i % 2 else (1, 0)):  # per slot first in odd rounds, paged in even ones
+                    seconds[way].append(timed_forward(model, steps[way], caches[way]))
+            per_slot, paged = (times[1:] for times in seconds)
+            ratios = [paged_s / per_slot_s for paged_s, per_slot_s in zip(paged, per_slot)]
+            cells.append(f"{1e3 * statistics.median(per_slot):.1f} / {1e3 * statistics.median(paged):.1f}  "
                          f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
-        print(f"{f'{n_slots} rows':10}" + "".join(f"{cell:>36}" for cell in cells), flush=True)
+            gathers = statistics.median(time_gathers(steps[1], caches[1]) for _ in range(n_rounds))
+            gather_cells.append(f"{1e3 * gathers:.1f} ms alone, {gathers / statistics.median(paged):.0%} of paged")
+        print(f"{f'{n_slots} rows':10}" + "".join(f"{cell:>36}" for cell in cells))
+        print(f"{'  gathers':10}" + "".join(f"{cell:>36}" for cell in gather_cells), flush=True)
+        del caches  # before the next row count's: at 64 rows each holds 4.8 GB
+
+
+def time_gathers(packed, cache):
+    """Seconds for the copies that a paged forward of packed makes, alone: model.slot_positions, as
+    attend_packed calls it, in every layer, for keys and for values: the one-token call's slots up to
+    the cut, then each chunk's slot up to its length."""
+    one_token_slots, cut = packed.slots[:packed.n_one_token], packed.one_token_mask.size(-1)
+    start = time.perf_counter()
+    for layer in range(cache.kv.size(0)):
+        for layer_cache, gathered in cache.layer(layer):  # keys, then values
+            if packed.n_one_token:
+                model_py.slot_positions(layer_cache, gathered, packed.block_tables, one_token_slots, cut)
+            for _, slot, mask in packed.chunks:
+                model_py.slot_positions(layer_cache, gathered, packed.block_tables, slice(slot, slot + 1),
+                                        mask.size(-1))
+    synchronize(cache.kv.device)
+    return time.perf_counter() - start
 
 
 SYSTEM_PROMPT = 96  # tokens every --prefix request starts with: six blocks of 16
