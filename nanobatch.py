@@ -429,9 +429,8 @@ def generate_sequential(model, requests, *, max_len=None, eos_id=EOT):
 #
 # Two actors, one queue in and one out, behind the calls Part 1's PrefillInLoop answers. The loop (the
 # calling thread, the model's device) admits a request, reserves its slot and sends it. The worker (a
-# second GPU with a copy of the weights, else a CUDA stream of its own, else half the CPU's threads)
-# prefills the prompt into a cache of its own, samples the first token, copies the keys and values into
-# the slot and sends back a Handover, or the error that stopped it, raised in the loop as it receives.
+# second GPU, else a CUDA stream of its own, else half the CPU's threads) prefills it, samples the first
+# token, copies the keys and values into the slot and sends back a Handover (or its error, raised).
 
 
 @dataclass
@@ -449,11 +448,9 @@ class PrefillWorker:
     def __init__(self, model, cache, max_len, prefill_chunk):
         self.model, self.cache, self.max_len, self.prefill_chunk = model, cache, max_len, prefill_chunk
         self.inbox, self.outbox = queue.Queue(), queue.Queue()  # Running (None: wake up); Handover or error
-        self.holding = set()  # the requests sent and not yet handed back: the worker's to prefill
-        self.stopping = threading.Event()
+        self.holding, self.stopping = set(), threading.Event()  # holding: requests sent, not yet handed back
         self.n_threads = torch.get_num_threads()  # the caller's setting, given back at the end
-        # Grad and inference mode are set per thread, and a tensor made in inference mode (the caller's
-        # cache) takes writes in it only: the worker runs in the caller's. Autocast is refused up front.
+        # Inference mode is per thread, and the caller's cache takes writes in it only: the worker runs in it too.
         self.inference_mode = torch.is_inference_mode_enabled()
 
     def prefill(self, model, stream, n_threads):  # the worker's thread: its whole story
@@ -462,8 +459,7 @@ class PrefillWorker:
             torch.set_num_threads(n_threads)
             on_own_stream = torch.cuda.stream(stream) if stream else nullcontext()  # None would look up a GPU
             with torch.inference_mode(self.inference_mode), torch.no_grad(), on_own_stream:
-                # One slot, the prompt in hand; never wiped: a prompt writes each position before it reads it.
-                own_cache = model.new_cache(1, self.max_len)
+                own_cache = model.new_cache(1, self.max_len)  # never wiped: a prompt writes a position, then reads it
                 while (run := self.inbox.get()) is not None and not self.stopping.is_set():
                     here = Running(run.request_index, run.request, slot=0, sampler=None, admit_step=run.admit_step)
                     while here.is_prefilling:  # the loop's own plan and packing, on a belt of one
@@ -643,8 +639,7 @@ class PrefixCache(BlockPool):
         self.key_of, self.block_with = {}, {}  # each keyed block's key; the block that holds each key
 
     def keys(self, run, n_blocks):
-        """The keys of run's first n_blocks full blocks, each (its parent's key, its tokens): a nested
-        tuple, so that equal keys are equal prefixes, exactly (vLLM hashes the same pair)."""
+        """Keys of run's first n_blocks full blocks, each (parent's key, tokens): equal keys, equal prefixes."""
         sequence, keys = run.request.prompt + run.tokens, [None]
         for start in range(0, n_blocks * self.block_size, self.block_size):
             keys.append((keys[-1], tuple(sequence[start:start + self.block_size])))
@@ -665,18 +660,16 @@ class PrefixCache(BlockPool):
         for key in self.keys(run, n_matchable):
             if key not in self.block_with:
                 break
-            self.hold(self.block_with[key])
-            run.block_table.append(self.block_with[key])
+            block = self.block_with[key]
+            if self.n_tables[block] == 0:  # a kept free block, free no more
+                self.free_blocks.remove(block)
+            self.n_tables[block] += 1
+            run.block_table.append(block)
         run.n_cached = run.n_found = len(run.block_table) * self.block_size
         if super().admit(run, slot, belt):
             return True
         self.release(run)  # it waits, holding nothing
         return False
-
-    def hold(self, block):  # one more table lists block; a kept free block is free no more
-        if self.n_tables[block] == 0:
-            self.free_blocks.remove(block)
-        self.n_tables[block] += 1
 
     def take_block(self):  # plain free blocks first (at the front), then kept ones, least recently used first
         block = super().take_block()
