@@ -28,6 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanobatch.py and model.py
+import explore  # noqa: E402 (tools/: the live page draws each step as the recorded page does)
 import nanobatch  # noqa: E402
 from nanobatch import EOT, SEED_RANGE, LiveRequests, Request, is_int, letter  # noqa: E402
 
@@ -37,7 +38,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the completions API
 UNSUPPORTED = {"n": (1,), "best_of": (1,), "logprobs": (), "echo": (False,), "stop": ("", []), "suffix": ("",),
                "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},)}
 FINISH_REASONS = {"eos": "stop", "length": "length", "context": "length", "abort": "abort"}  # nanobatch -> OpenAI
-POLL_S = 0.2  # how often a handler waiting for tokens looks whether its client has gone
+POLL_S = 0.05  # how often a handler waiting for tokens looks whether its client has gone
 PAGE = Path(__file__).resolve().parent / "serve.html"
 
 
@@ -136,8 +137,12 @@ class Detokenizer:
         return self.utf8.decode(data, final=is_last)
 
 
-def step_event(report, name):
-    """A StepReport as the /steps event, requests named by name(request index): their completion ids."""
+def step_event(report, name, requests, tokenizer):
+    """A StepReport as the /steps event. Its figures name each request by name(request index), its completion
+    id, as a client of the API knows it. `explore` is the same step as tools/explore.py records one (its rows,
+    masks and cache; requests by index), and `requests` each request the step names, {index: its letter,
+    colour, prompt length and completion id}: the live page (GET /) draws a live step with explore.html's own
+    render, as it draws a recorded one."""
     return {
         "step": report.step, "belt": report.belt, "n_slots": len(report.belt),
         "occupants": [None if i is None else name(i) for i in report.occupants],
@@ -147,7 +152,13 @@ def step_event(report, name):
         "finish_reasons": {name(i): FINISH_REASONS[c.finish_reason] for i, c in report.finished},
         "preempted": [name(i) for i in report.preempted], "waiting": [name(i) for i in report.waiting],
         "n_prompt_tokens": report.n_prompt_tokens, "kv_used": report.kv_used, "kv_total": report.kv_total,
-        "step_ms": round(1e3 * report.step_s, 3), "model_ms": round(1e3 * report.model_s, 3)}
+        "step_ms": round(1e3 * report.step_s, 3), "model_ms": round(1e3 * report.model_s, 3),
+        "explore": explore.step_data(report, explore.occupants([report]), tokenizer), "requests": requests}
+
+
+def named(report):
+    """The request indices a StepReport names: in a slot, waiting, or finished (a cancelled one may be neither)."""
+    return {i for i in report.occupants if i is not None} | set(report.waiting) | {i for i, _ in report.finished}
 
 
 def usage(n_prompt, n_completion):
@@ -177,6 +188,7 @@ class Engine:
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_preemptions": 0}
         self.finished = dict.fromkeys(("stop", "length", "abort"), 0)  # request_success_total by finished_reason
         self.watchers = []  # a queue per /steps client: each step's event, as JSON
+        self.shown = {}  # request index -> the page's data of it (letter, colour, prompt length, id), in flight
 
     def completion_id(self, request_index):
         return f"cmpl-{self.boot}-{request_index}"
@@ -196,12 +208,15 @@ class Engine:
                 raise bad(str(e), "prompt") from None
             self.queued.add(stream.request_index)
             self.prompt_lengths[stream.request_index] = len(request.prompt)
+            self.shown[stream.request_index] = dict(explore.request_data(stream.request_index, request),
+                                                    id=self.completion_id(stream.request_index))
         return stream
 
     def on_step(self, report):
         """One engine step: the metrics, then its event for every /steps client (in the engine's thread)."""
         ids = self.completion_id
         with self.lock:
+            requests = {i: self.shown[i] for i in named(report)}  # each /steps event says who it names
             for i in report.sampled:  # vLLM counts a prompt's tokens when its first token comes
                 self.counters["prompt_tokens"] += self.prompt_lengths.pop(i, 0)
             self.counters["generation_tokens"] += len(report.sampled)
@@ -209,12 +224,13 @@ class Engine:
             for i, completion in report.finished:
                 self.finished[FINISH_REASONS[completion.finish_reason]] += 1
                 self.prompt_lengths.pop(i, None)  # cancelled before its first token
+                del self.shown[i]
             self.queued -= {*report.admitted, *(i for i, _ in report.finished)}
             self.queued |= set(report.preempted)
             self.running = sum(i is not None for i in report.occupants)
             self.kv_usage = report.kv_used / report.kv_total
             watchers = list(self.watchers)
-        event = json.dumps(step_event(report, ids))
+        event = json.dumps(step_event(report, ids, requests, self.tokenizer))
         for watcher in watchers:
             try:
                 watcher.put_nowait(event)
@@ -277,6 +293,12 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "nanobatch"
     engine: Engine = None  # set by serve()
 
+    def setup(self):
+        super().setup()
+        # Each write leaves at once: without this, a reply's body (or a streamed token) that follows its
+        # headers waits for the client's acknowledgement, which a client delays by up to 40 ms (Nagle's rule).
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     def do_GET(self):
         self.route("GET")
 
@@ -311,6 +333,8 @@ class Handler(BaseHTTPRequestHandler):
     def send_error(self, code, message=None, explain=None):
         """http.server's own errors (a malformed request line, say), in OpenAI's shape."""
         self.close_connection = True
+        if self.request_version == "HTTP/0.9":  # what a line that is no HTTP leaves: no status line would be sent
+            self.request_version = "HTTP/1.0"
         error = ApiError(code, message or "bad request", code="bad_request")
         self.send_json(code, error.body)
 
@@ -470,7 +494,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(200, page, "text/html; charset=utf-8")
 
     def log_message(self, format, *args):  # one line a request on stderr, as http.server does, but quieter
-        if not self.path.startswith("/metrics"):
+        if not getattr(self, "path", "").startswith("/metrics"):
             sys.stderr.write(f"serve: {self.address_string()} {format % args}\n")
 
 
@@ -480,6 +504,7 @@ class Handler(BaseHTTPRequestHandler):
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True  # a client that never reads cannot keep the process alive
+    request_queue_size = 128  # connections the system holds before accept: a class arrives at once (default 5)
 
     def __init__(self, address, handler):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
@@ -545,7 +570,8 @@ def serve(args):
     return 0
 
 
-def main(argv=None):
+def parse(argv=None):
+    """The command line -> its options: the engine's as --demo spells them, and the server's own."""
     parser = argparse.ArgumentParser(prog="tools/serve.py", description="nanobatch as an OpenAI-compatible server.")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (127.0.0.1; a class: 0.0.0.0)")
     parser.add_argument("--port", type=int, default=8000, help="the port (8000; 0 takes a free one)")
@@ -557,8 +583,12 @@ def main(argv=None):
     _, args = nanobatch.parse_args(parser, argv, {"slots", "max_len", "prefill_chunk", "kv_blocks", "kv_block_size",
                                                    "prefix_cache", "policy", "device", "dtype", "weights", "quick",
                                                    "seed"})
+    return args
+
+
+def main(argv=None):
     try:
-        return serve(args)
+        return serve(parse(argv))
     except KeyboardInterrupt:  # before it served: nothing to stop
         return 130
 
