@@ -53,11 +53,11 @@ class Request:
 @dataclass
 class Completion:
     tokens: list[int]  # generated ids only; an EOS that ended the request is kept
-    finish_reason: str  # "eos" | "length" | "context" (its slot is full)
+    finish_reason: str  # "eos" | "length" | "context" (its slot is full) | "abort" (Part 5: cancelled)
     admit_step: int  # loop step that took this request into a slot
-    finish_step: int  # loop step that produced its last token: first_token_step + len(tokens) - 1
-    ttft_s: float  # seconds from the start of its arrival step to its first token
-    latency_s: float  # seconds from the start of its arrival step to its last token
+    finish_step: int  # loop step that produced its last token (Part 5, cancelled: the step it left in)
+    ttft_s: float  # seconds from its arrival (the start of its arrival step) to its first token
+    latency_s: float  # seconds from its arrival to its last token
     first_token_step: int  # admit_step, unless its prompt took several steps (chunks) or the worker had it
     slot: int  # the slot it occupied (Part 3: preempted and taken in again, the last)
     token_times_s: list[float]  # seconds from the start of its arrival step to each of its tokens
@@ -218,8 +218,8 @@ def pack_step(work, padding_slots, n_slots, device, block_tables=None):
         tokens += ids
         positions += range(first_position, first_position + len(ids))
         slots += [slot] * len(ids)
-        # A run samples once its feed brings all it has into the cache: a decoding run every step,
-        # a prompt in the step that completes it.
+        # A run samples once its feed brings all it has into the cache: a decoding run every step, a
+        # prompt in the step that completes it (n_to_feed is read before the loop moves n_cached on).
         if run is None:
             padding_rows.append(len(tokens) - 1)
         elif len(ids) == run.n_to_feed:
@@ -275,8 +275,8 @@ class SlotBlocks:
         run.slot, run.block_table, belt[slot] = slot, [slot], run  # its block is the slot's, and waits for it
         return True
 
-    def make_room(self, work, belt, waiting, prefill_chunk):  # -> (work, preempted): Part 3 says why it takes more
-        return work, []  # per slot, each run's block holds all it can feed: no one is preempted
+    def make_room(self, work, belt, waiting, prefill_chunk):  # -> (work, preempted); a pool short of blocks sends
+        return work, []  # runs back to waiting and plans again with prefill_chunk (Part 3); per slot, never
 
     def vacate(self, run, belt):  # run leaves its slot, retired (Part 3: or preempted)
         self.cache.clear(run.block_table, run.n_cached)  # what it wrote, wiped: KVCache.clear says why
@@ -394,7 +394,7 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
                 run.n_cached += len(ids)  # the forward below writes them
             # 4) One forward over all of them; a token for every run due one.
             model_start = time.perf_counter()
-            logits = model.forward_packed(packed, blocks.cache)[:len(to_sample)]  # (R, V): padding's rows dropped
+            logits = model.forward_packed(packed, blocks.cache)[:len(to_sample)]  # (R, V): padding's, last, dropped
             new_tokens = sample_step(logits, to_sample, device)
             model_s = time.perf_counter() - model_start
             # 4b) Prompts prefilled elsewhere come back, each with its first token (Part 2).

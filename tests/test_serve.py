@@ -351,8 +351,8 @@ def test_a_full_queue_is_a_429_and_loses_no_other_request(server, monkeypatch):
     gate = Gate(monkeypatch)
     requests = [Request([20 + i, 7], 5, temperature=0.0) for i in range(2)]
     results = [None, None]
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, complete(server, requests[i], return_token_ids=True)),
-                                daemon=True) for i in range(2)]
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+        i, complete(server, requests[i], return_token_ids=True)), daemon=True) for i in range(2)]
     try:
         for i, thread in enumerate(threads):
             thread.start()
