@@ -331,6 +331,8 @@ class Handler(BaseHTTPRequestHandler):
                 raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY", code="invalid_api_key")
             getattr(self, self.ROUTES[path][method])()
         except ApiError as error:
+            if error.status in (401, 404, 405) and self.headers.get("Content-Length", "0") != "0":
+                self.close_connection = True  # a body left unread: kept alive, it would be read as the next request
             self.send_json(error.status, error.body)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
