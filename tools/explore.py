@@ -15,6 +15,7 @@ rows hidden until revealed). The page draws what the engine recorded (each StepR
 its forward ran on), never a recomputation, so a broken mask shows as a broken grid, and a block table
 read one block off as a block in the wrong colour. Record once, replay in the page: the data sit in
 <script id="nanobatch-run">, and one function, render(run, step), draws a step from them alone.
+tools/serve.py serves the same page live, each step sent as step_data() makes it here.
 """
 import json
 import re
