@@ -465,11 +465,12 @@ def test_text_comes_a_piece_per_token_never_splitting_a_character(tokens):
 
 
 def test_ctrl_c_aborts_what_is_in_flight_and_exits_0(tmp_path):
-    """The address printed alone on a line once it serves; SIGINT mid-stream: the stream ends with "abort"
-    and [DONE], and the process exits 0 within a couple of seconds. (A process of its own: a signal goes
-    to a whole process; this test starts Python and torch again, about 2 s of the suite.)"""
-    process = subprocess.Popen([sys.executable, str(REPO / "tools" / "serve.py"), "--quick", "--port", "0"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    """The address printed alone on a line once it serves; SIGINT with one request in the one slot and two
+    waiting: every stream ends, the waiting ones (at least) with "abort", then [DONE], and the process exits
+    0 within a couple of seconds. (A process of its own, since a signal goes to a whole process: it starts
+    Python and torch again, about 2 s of the suite.)"""
+    command = [sys.executable, str(REPO / "tools" / "serve.py"), "--quick", "--port", "0", "--slots", "1"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                env={**os.environ, "NANOBATCH_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1",
                                     "https_proxy": "http://127.0.0.1:9"})  # offline at once, as tests/test_cli.py
     try:
@@ -478,16 +479,34 @@ def test_ctrl_c_aborts_what_is_in_flight_and_exits_0(tmp_path):
         address = lines.get(timeout=TIMEOUT_S).strip()
         assert address.startswith("http://127.0.0.1:") and address.endswith("/"), address
         host, port_number = address[len("http://"):-1].split(":")
-        connection = http.client.HTTPConnection(host, int(port_number), timeout=TIMEOUT_S)
-        connection.request("POST", "/v1/completions", json.dumps({"prompt": [1, 2], "max_tokens": 900, "stream": True}))
-        response = connection.getresponse()
-        assert response.fp.readline().startswith(b"data: ")  # streaming
+        streams = [None] * 3
+
+        def client(k):
+            connection = http.client.HTTPConnection(host, int(port_number), timeout=TIMEOUT_S)
+            connection.request("POST", "/v1/completions", json.dumps({"prompt": [1, 2 + k], "max_tokens": 1000,
+                                                                      "stream": True}))
+            streams[k] = events(connection.getresponse().read())
+
+        clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(3)]
+        for thread in clients:
+            thread.start()
+        wait_until(lambda: metric(host, port_number, "nanobatch:num_requests_waiting") >= 2)
         process.send_signal(signal.SIGINT)
         sent = time.monotonic()
-        chunks = events(response.read())
-        assert chunks[-1] == "[DONE]" and chunks[-2]["choices"][0]["finish_reason"] == "abort", chunks[-2:]
-        assert process.wait(timeout=TIMEOUT_S) == 0, process.stderr.read()
+        assert process.wait(timeout=TIMEOUT_S) == 0
         assert time.monotonic() - sent < 3, "it took over 3 s to stop"
+        for thread in clients:
+            thread.join(TIMEOUT_S)
+        reasons = sorted(chunks[-2]["choices"][0]["finish_reason"] for chunks in streams)
+        assert all(chunks[-1] == "[DONE]" for chunks in streams) and reasons[1:] == ["abort", "abort"], reasons
     finally:
         process.kill()
         process.wait()
+
+
+def metric(host, port_number, name):
+    """One sample of GET /metrics, read by its name."""
+    connection = http.client.HTTPConnection(host, int(port_number), timeout=TIMEOUT_S)
+    connection.request("GET", "/metrics")
+    [line] = [line for line in connection.getresponse().read().decode().splitlines() if line.startswith(name + "{")]
+    return float(line.split()[-1])

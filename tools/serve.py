@@ -558,7 +558,8 @@ def start(args):
     except ValueError as e:
         engine.httpd.server_close()
         nanobatch.fail(e)
-    engine.http_thread = threading.Thread(target=engine.httpd.serve_forever, name="nanobatch http", daemon=True)
+    engine.http_thread = threading.Thread(target=engine.httpd.serve_forever, kwargs=dict(poll_interval=0.1),
+                                          name="nanobatch http", daemon=True)  # shutdown() seen within 0.1 s
     engine.http_thread.start()
     return engine
 
@@ -580,7 +581,7 @@ def serve(args):
     try:
         host, port = engine.httpd.server_address[:2]
         print(f"http://{f'[{host}]' if ':' in host else host}:{port}/", flush=True)
-        while not stop_asked.wait(0.5):  # a signal sets it; the timeout keeps the main thread able to take one
+        while not stop_asked.wait(0.1):  # a signal sets it; the timeout keeps the main thread able to take one
             pass
         print("serve: stopping: aborting the requests in flight", file=sys.stderr, flush=True)
     finally:
