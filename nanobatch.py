@@ -946,7 +946,8 @@ LEGEND = {  # each figure of summarize(), in the table's order, and what it coun
                               "(disaggregated: also waiting for the prefill worker)",
     "KV moved (MB / ms)": "disaggregated: keys and values the prefill worker copied into decode slots, and "
                           "the seconds its copies took",
-    "KV cache in use": "cache positions holding a token, a share of all the cache has: mean / peak over the steps",
+    "KV cache in use": "cache positions holding a token of a request in a slot (kv_used: free kept blocks not counted), "
+                       "a share of all the cache has: mean / peak over the steps",
     "preemptions": "paged: requests sent back to the queue for their blocks, to feed prompt and answer again "
                    "(with a prefix cache, what they do not find)",
     "prefix cache hits": "positions admissions found cached (Part 4; a preempted request finding its own blocks "
