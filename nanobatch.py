@@ -552,8 +552,8 @@ ROOM_TO_GROW = 3  # tokens of growth kept free for each request at admission: th
 
 
 class BlockPool(SlotBlocks):
-    """The same three answers as SlotBlocks, for a pool of blocks: which are free, and which
-    requests hold the others (nano-vllm's BlockManager)."""
+    """SlotBlocks' answers, for a pool of blocks: which are free, in the line they are taken from,
+    and which requests hold the others (nano-vllm's BlockManager)."""
 
     def __init__(self, model, n_blocks, block_size):
         self.cache = model.new_cache(n_blocks, block_size)  # the one large allocation: every block of the pool
