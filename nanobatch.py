@@ -1,21 +1,14 @@
 """
-nanobatch: continuous batching (iteration-level scheduling) for GPT-2, in one loop.
+nanobatch: continuous batching (iteration-level scheduling) for GPT-2, in one loop, read in five Parts.
 
-Part 1, continuous batching. A belt of S slots, each holding one sequence's keys and values in the
-KV cache. Every step of `generate`:
-    1) requests whose arrival step has come join the waiting queue;
-    2) waiting requests take the free slots, while the cache has room for them;
-    3) the step's tokens are chosen: each decoding request's newest token, then prompt tokens, at
-       most prefill_chunk of them (chunked prefill), all packed side by side;
-    4) ONE forward runs over them, under a mask that keeps every token to its own slot;
-    5) each request whose tokens are now all in the cache takes its next token, and stops or not;
-    6) the step is reported (built outside the loop), if the caller asked;
-    7) finished requests retire, their slots free for the very next step.
-Static batching is the same loop with one decision changed (`slots_to_fill`). The loop asks the
-cache (SlotBlocks) and the prompts' feeder (PrefillInLoop) the same questions in every mode; the
-later Parts answer them another way. Part 2, disaggregated prefill: a PrefillWorker thread feeds
-the prompts, on hardware of its own. Part 3, paged attention: a BlockPool holds the cache as small
-blocks that requests take as their tokens go in, and give back when they leave or are preempted.
+Part 1, continuous batching: a belt of slots, each holding one sequence's keys and values in the KV cache.
+`generate` runs the loop, its phases numbered 0 to 7; static batching is the same loop with one decision
+changed (`slots_to_fill`). The loop asks three helpers, the cache, the prompts' feeder and the callers, the
+same questions in every mode (listed above SlotBlocks), and each later Part answers some of them another
+way. Part 2, disaggregated prefill: a PrefillWorker thread prefills the prompts on hardware of its own.
+Part 3, paged attention: a BlockPool holds the cache as small blocks. Part 4, prefix caching: a PrefixCache
+keeps full blocks for later requests to share. Part 5, serving live: LiveRequests takes requests from other
+threads while the loop runs, streams each token to its caller, and lets a caller cancel.
 Below them, under banners: the input checks, the figures and step reports, the command line.
 Shapes in comments use model.py's legend: S slots, M tokens packed into a step, D of them one-token
 rows, T tokens of one prompt chunk, L cache positions attended over, R rows sampled, V vocabulary.
@@ -60,11 +53,11 @@ class Request:
 @dataclass
 class Completion:
     tokens: list[int]  # generated ids only; an EOS that ended the request is kept
-    finish_reason: str  # "eos" | "length" | "context" (its slot is full)
+    finish_reason: str  # "eos" | "length" | "context" (its slot is full) | "abort" (Part 5: cancelled)
     admit_step: int  # loop step that took this request into a slot
-    finish_step: int  # loop step that produced its last token: first_token_step + len(tokens) - 1
-    ttft_s: float  # seconds from the start of its arrival step to its first token
-    latency_s: float  # seconds from the start of its arrival step to its last token
+    finish_step: int  # loop step that produced its last token (Part 5, cancelled: the step it left in)
+    ttft_s: float  # seconds from its arrival (the start of its arrival step) to its first token
+    latency_s: float  # seconds from its arrival to its last token
     first_token_step: int  # admit_step, unless its prompt took several steps (chunks) or the worker had it
     slot: int  # the slot it occupied (Part 3: preempted and taken in again, the last)
     token_times_s: list[float]  # seconds from the start of its arrival step to each of its tokens
@@ -138,8 +131,9 @@ class Running:
     tokens: list[int] = field(default_factory=list)  # generated so far
     token_times_s: list[float] = field(default_factory=list)  # seconds from arrival to each token
     first_token_step: int | None = None
-    arrived_at: float = 0.0  # wall time (time.perf_counter) at the start of its arrival step
+    arrived_at: float = 0.0  # wall time (time.perf_counter) it arrived: its arrival step's start (Part 5: submitted)
     n_found: int = 0  # Part 4: positions it found in the cache at its latest admission
+    completion: Completion | None = None  # what its caller gets back, once it has finished
 
     @property
     def n_to_feed(self):  # prompt + answer tokens not in the cache yet: all that it still has to feed
@@ -149,6 +143,12 @@ class Running:
     def is_prefilling(self):  # more to feed than its newest token: its prompt (Part 3: or, preempted, all again)
         newest = 1 if self.tokens else 0  # before its first token, a prompt has no newest token to feed
         return self.n_to_feed > newest
+
+    def finish(self, reason, step):  # its Completion, what its caller gets (Part 5: cancelled before a token, no times)
+        first_s, last_s = (self.token_times_s[0], self.token_times_s[-1]) if self.tokens else (None, None)
+        self.completion = Completion(self.tokens, reason, self.admit_step, finish_step=step, ttft_s=first_s,
+                                     latency_s=last_s, first_token_step=self.first_token_step, slot=self.slot,
+                                     token_times_s=self.token_times_s)
 
 
 def slots_to_fill(belt, policy):
@@ -218,8 +218,8 @@ def pack_step(work, padding_slots, n_slots, device, block_tables=None):
         tokens += ids
         positions += range(first_position, first_position + len(ids))
         slots += [slot] * len(ids)
-        # A run samples once its feed brings all it has into the cache: a decoding run every step,
-        # a prompt in the step that completes it.
+        # A run samples once its feed brings all it has into the cache: a decoding run every step, a
+        # prompt in the step that completes it (n_to_feed is read before the loop moves n_cached on).
         if run is None:
             padding_rows.append(len(tokens) - 1)
         elif len(ids) == run.n_to_feed:
@@ -253,23 +253,30 @@ def pack_step(work, padding_slots, n_slots, device, block_tables=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# What the loop asks of the cache and of the prompts: Part 1's answers, per slot and in the loop
+# What the loop asks, and Part 1's answers. The loop asks three helpers the same questions in every mode,
+# and a later Part answers them another way, never the loop:
+#   the cache, SlotBlocks (Part 3: BlockPool; Part 4: PrefixCache): may a waiting request take this free slot
+#     now (admit), blocks for the step's feeds (make_room, which may preempt), a request leaves its slot
+#     (vacate), where each slot's positions lie (block_tables), and the cache the forward writes (.cache);
+#   the prompts' feeder, PrefillInLoop (Part 2: PrefillWorker): the step's prompt budget, send an admitted
+#     prompt, receive those prefilled elsewhere, and which it holds;
+#   the callers, RequestList (Part 5: LiveRequests): will more come, the next arrival's step, who has
+#     arrived, who has cancelled, and each new token to its caller (hear).
 
 
 class SlotBlocks:
-    """The KV cache per slot: block s is slot s's, max_len positions kept for whoever sits there. The
-    loop asks it three things (Part 3's BlockPool answers them for a pool of small blocks)."""
+    """The KV cache per slot: block s is slot s's, max_len positions kept for whoever sits there."""
     kept = ()  # Part 4: free blocks that keep their keys for a later request; none here
 
     def __init__(self, model, n_slots, max_len):
         self.cache = model.new_cache(n_slots, max_len)  # the one large allocation, reused by every request
 
-    def admit(self, run, slot, belt):  # seat run in the free slot if the cache has room for it -> whether it did
-        run.slot, run.block_table, belt[slot] = slot, [slot], run  # per slot, its block waits for it
+    def admit(self, run, slot, belt):  # seat run in the free slot -> whether it did: per slot, always
+        run.slot, run.block_table, belt[slot] = slot, [slot], run  # its block is the slot's, and waits for it
         return True
 
-    def make_room(self, work, belt, waiting, prefill_chunk):  # blocks for the step's feeds -> (work, preempted)
-        return work, []  # per slot, each run's block holds all it can feed
+    def make_room(self, work, belt, waiting, prefill_chunk):  # -> (work, preempted); a pool short of blocks sends
+        return work, []  # runs back to waiting and plans again with prefill_chunk (Part 3); per slot, never
 
     def vacate(self, run, belt):  # run leaves its slot, retired (Part 3: or preempted)
         self.cache.clear(run.block_table, run.n_cached)  # what it wrote, wiped: KVCache.clear says why
@@ -280,8 +287,7 @@ class SlotBlocks:
 
 
 class PrefillInLoop(nullcontext):
-    """Who feeds the prompts: the loop itself, at most prefill_chunk tokens a step (plan_step's budget).
-    Part 2's PrefillWorker answers the same calls with a thread, which generate's `with` starts."""
+    """The prompts' feeder: the loop itself, at most prefill_chunk tokens a step (plan_step's budget)."""
     holding = ()  # the requests whose prompts are being prefilled elsewhere: none
 
     def __init__(self, prefill_chunk):
@@ -293,6 +299,33 @@ class PrefillInLoop(nullcontext):
 
     def receive(self, belt):  # prompts prefilled elsewhere and handed over: none
         return []
+
+
+class RequestList:
+    """The callers as a list: each request arrives at its `arrival` step, and its caller reads its tokens at
+    the end, in the Completion generate returns. Part 5's LiveRequests answers the same calls live."""
+
+    def __init__(self, requests, device):
+        self.runs = [Running(i, request, sampler=new_sampler(request, device)) for i, request in enumerate(requests)]
+        self.pending = deque(sorted(self.runs, key=lambda run: run.request.arrival))  # not arrived; ties by index
+        self.completions = [None] * len(requests)
+
+    def more_to_come(self):  # asked when nothing is in a slot or waiting
+        return bool(self.pending)
+
+    def next_arrival(self, step):  # idle: the clock jumps to the next arrival's step
+        return max(step, self.pending[0].request.arrival)
+
+    def arrived(self, step, step_start):  # -> the requests whose arrival step has come, first come first served
+        while self.pending and self.pending[0].request.arrival <= step:
+            self.pending[0].arrived_at = step_start
+            yield self.pending.popleft()
+
+    def cancelled(self, step, waiting, belt, held):  # the requests whose callers have gone: a list's stay
+        return []
+
+    def hear(self, run, token):  # a new token: a list's caller reads its answer at the end
+        self.completions[run.request_index] = run.completion
 
 
 def admit_waiting(belt, waiting, policy, blocks, prompts, step):
@@ -316,18 +349,18 @@ def admit_waiting(belt, waiting, policy, blocks, prompts, step):
 def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="continuous",
              prefill_chunk=None, on_step=None, disaggregate=False, kv_blocks=None, kv_block_size=16,
              prefix_cache=False):
-    """Serve every request through a belt of n_slots -> their Completions, in request order.
-
-    max_len: positions per slot (default: block_size). eos_id=None: never stop on EOS. prefill_chunk:
-    at most this many prompt tokens enter a step (None: whole prompts). on_step: called with a
-    StepReport after every step. disaggregate: a PrefillWorker (Part 2) prefills every prompt, the
-    loop only decodes; prefill_chunk is then the most prompt tokens in one forward of the worker.
-    kv_blocks: a paged cache (Part 3), that many blocks of kv_block_size positions that all slots share.
-    prefix_cache: paged, a request takes the blocks of its prefix that the cache holds already (Part 4)."""
+    """Serve requests through a belt of n_slots -> their Completions, in request order (Part 5: requests is a
+    LiveRequests, fed while this runs; each caller holds its own). max_len: positions per slot (default:
+    block_size). eos_id=None: never stop on EOS. prefill_chunk: the prompt tokens a step may take (None: no
+    limit; disaggregated, a forward of the worker). on_step: given each step's StepReport. disaggregate:
+    Part 2; kv_blocks blocks of kv_block_size positions: Part 3; prefix_cache: Part 4 (docs/api.md)."""
     max_len = model.config.block_size if max_len is None else max_len
-    requests = check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_chunk, disaggregate,
-                               kv_blocks, kv_block_size, prefix_cache)
     device = model.lm_head.weight.device
+    is_live = isinstance(requests, LiveRequests)  # Part 5: each request is checked as it is submitted
+    checked = check_arguments(model, [] if is_live else requests, n_slots, max_len, eos_id, policy, prefill_chunk,
+                              disaggregate, kv_blocks, kv_block_size, prefix_cache)
+    # Who sends the requests and hears of their tokens: the caller's list, or (Part 5) live callers.
+    callers = requests if is_live else RequestList(checked, device)
     # Who holds the cache's blocks: a block of max_len a slot, or (Part 3) a pool of small blocks, which
     # (Part 4) keeps full blocks for later requests to find.
     pool = PrefixCache if prefix_cache else BlockPool
@@ -335,64 +368,58 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
     # Who feeds the prompts: the loop itself, or (Part 2) a prefill worker beside it.
     prompts = PrefillWorker(model, blocks.cache, max_len, prefill_chunk) if disaggregate else \
         PrefillInLoop(prefill_chunk)
-    pending = deque(sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i)))  # not arrived yet
     waiting = deque()  # Running requests not in a slot: first come, first served
     belt = [None] * n_slots  # belt[slot]: the Running request in that slot, or None
-    completions, step = [None] * len(requests), 0
+    step = 0
     with torch.no_grad(), prompts:
-        while pending or waiting or any(belt):  # requests left: not arrived yet, waiting, or in a slot
-            # 0) Nothing running and nothing waiting: jump the clock to the next arrival.
+        while waiting or any(belt) or callers.more_to_come():  # requests in hand, or (idle) one more to come
+            # 0) Nothing in a slot and nothing waiting: the clock moves on to the next arrival.
             if not waiting and not any(belt):
-                step = max(step, requests[pending[0]].arrival)
-            # 1) Arrivals join the queue.
+                step = callers.next_arrival(step)
+            # 1) Arrivals join the queue. A request whose caller has gone (Part 5) leaves the queue, or its slot.
             step_start = time.perf_counter()
-            while pending and requests[pending[0]].arrival <= step:
-                i = pending.popleft()
-                waiting.append(Running(i, requests[i], sampler=new_sampler(requests[i], device), arrived_at=step_start))
+            waiting += callers.arrived(step, step_start)
+            for run in (cancelled := callers.cancelled(step, waiting, belt, prompts.holding)):
+                blocks.vacate(run, belt) if run in belt else waiting.remove(run)
             # 2) Admit waiting requests into free slots.
             admitted = admit_waiting(belt, waiting, policy, blocks, prompts, step)
-            # 3) Choose the step's tokens, find them room in the cache, and pack them. Static
-            #    batching, as a padded batch does, still computes a row for each finished request.
+            # 3) Choose the step's tokens, find them room in the cache (Part 3: or preempt), and pack them.
+            #    Static batching, as a padded batch does, computes a row for each empty slot.
             work, preempted = blocks.make_room(plan_step(belt, prompts.budget), belt, waiting, prompts.budget)
             padding_slots = [s for s, run in enumerate(belt) if run is None] if policy == "static" else []
             packed, to_sample = pack_step(work, padding_slots, n_slots, device, blocks.block_tables(belt))
-            n_prompt_tokens = sum(len(ids) for run, ids in work if run.is_prefilling)  # before n_cached moves on
+            # Counted, and packed, before n_cached moves on: both read what each run had still to feed.
+            n_prompt_tokens = sum(len(ids) for run, ids in work if run.is_prefilling)
             for run, ids in work:
                 run.n_cached += len(ids)  # the forward below writes them
             # 4) One forward over all of them; a token for every run due one.
             model_start = time.perf_counter()
-            logits = model.forward_packed(packed, blocks.cache)[:len(to_sample)]  # (R, V): padding's rows dropped
+            logits = model.forward_packed(packed, blocks.cache)[:len(to_sample)]  # (R, V): padding's, last, dropped
             new_tokens = sample_step(logits, to_sample, device)
             model_s = time.perf_counter() - model_start
             # 4b) Prompts prefilled elsewhere come back, each with its first token (Part 2).
             handovers = prompts.receive(belt)
             sampled = to_sample + [handover.run for handover in handovers]
             new_tokens += [handover.token for handover in handovers]
-            # 5) Each new token joins its answer, which ends here or goes on.
+            # 5) Each new token joins its answer, which ends here or goes on; its caller hears of it.
             now, finished = time.perf_counter(), []
             for run, token in zip(sampled, new_tokens):
                 run.tokens.append(token)
                 run.token_times_s.append(now - run.arrived_at)
                 run.first_token_step = step if run.first_token_step is None else run.first_token_step
                 if reason := stop_reason(run.request, run.tokens, max_len, eos_id):
-                    completions[run.request_index] = completion(run, reason, step)
+                    run.finish(reason, step)
                     finished.append(run)
+                callers.hear(run, token)
             # 6) Report the step, if asked: built from what it did (step_report, with the figures).
             if on_step is not None:
                 on_step(step_report(step, step_start, belt, waiting, blocks, prompts, admitted, preempted, packed,
-                                    n_prompt_tokens, logits, model_s, handovers, sampled, finished, completions))
+                                    n_prompt_tokens, logits, model_s, handovers, sampled, cancelled + finished))
             # 7) Retire finished requests: each vacates its slot, free for the very next step.
             for run in finished:
                 blocks.vacate(run, belt)
             step += 1
-    return completions
-
-
-def completion(run, reason, step):
-    """What a finished request's caller gets back, from the state the loop kept."""
-    return Completion(tokens=run.tokens, finish_reason=reason, admit_step=run.admit_step, finish_step=step,
-                      ttft_s=run.token_times_s[0], latency_s=run.token_times_s[-1],
-                      first_token_step=run.first_token_step, slot=run.slot, token_times_s=run.token_times_s)
+    return callers.completions
 
 
 def generate_sequential(model, requests, *, max_len=None, eos_id=EOT):
@@ -640,7 +667,7 @@ class PrefixCache(BlockPool):
         super().__init__(model, n_blocks, block_size)
         self.n_tables = [0] * n_blocks  # how many block tables list each block: a shared one, several
         self.key_of, self.block_with = {}, {}  # each keyed block's key; the block that holds each key
-        self.chains = {}  # request index -> its full blocks' keys, each made once: from its try until it leaves
+        self.chains = {}  # request index -> its full blocks' keys, each made once while it holds a slot
         self.n_keyed = {}  # request index -> how many blocks of its table are keyed (found ones are)
         self.evicted = []  # the kept blocks that this step's new work took, for its report: make_room's
 
@@ -654,8 +681,7 @@ class PrefixCache(BlockPool):
         return keys[:n_blocks]
 
     def key_written(self, runs):
-        """Key the full blocks that forwards wrote for these runs since they were last keyed (a key another
-        block holds stays with that one: this block is then a duplicate, freed as any unkeyed block)."""
+        """Key the full blocks forwards wrote for these runs, each once (a key held already stays with its block)."""
         for run in runs:
             n_keyed, n_written = self.n_keyed[run.request_index], run.n_cached // self.block_size
             for block, key in zip(run.block_table[n_keyed:n_written], self.keys(run, n_written)[n_keyed:]):
@@ -677,6 +703,7 @@ class PrefixCache(BlockPool):
             run.block_table.append(block)
         if not super().admit(run, slot, belt):
             self.release(run)  # it waits, holding nothing: what it found, kept, at the back of the line
+            del self.chains[run.request_index]  # looked up again at its next try (Part 5: it may go instead)
             return False
         run.n_cached = run.n_found = len(run.block_table) * self.block_size
         self.n_keyed[run.request_index] = len(run.block_table)  # the blocks found are keyed already
@@ -717,6 +744,126 @@ class PrefixCache(BlockPool):
     @property
     def kept(self):  # free blocks that keep their keys, least recently used first
         return [block for block in self.free_blocks if block in self.key_of]
+
+
+# ---------------------------------------------------------------------------------------------
+# Part 5, serving live: requests that arrive while the belt runs, tokens that stream, callers that go
+#
+# LiveRequests answers the calls RequestList answers for a list. Arrived: whatever other threads submitted
+# since the last step, taken in at this step (its `arrival`); idle, the loop waits on a condition for the
+# next submission, using no CPU. Each new token goes to its request's Stream in the step that samples it.
+# A cancelled request leaves at the next step boundary, from the queue or from its slot as a retirement
+# (its slot and blocks back, a prefix cache keeping what it wrote), told "abort".
+
+
+class Stream:
+    """A submitted request's handle: iterate it (once) for (token, finish_reason) as the steps make them;
+    the last pair has a finish_reason ("eos", "length", "context", or "abort" with token None), and then
+    .completion holds its Completion. cancel() from any thread."""
+
+    def __init__(self, request_index, request):
+        self.request_index, self.request = request_index, request
+        self.items = queue.Queue()  # (token, finish_reason), or the engine's error, put by the engine's thread
+        self.completion, self.is_cancelled = None, False
+        self.submitted_at = time.perf_counter()  # its arrival: its times count from here, not from a step
+
+    def __iter__(self):
+        finish_reason = None
+        while finish_reason is None:
+            item = self.items.get()
+            if isinstance(item, BaseException):  # the engine failed: raised in the reader's thread too
+                raise item
+            token, finish_reason = item
+            yield token, finish_reason
+
+    def cancel(self):  # it leaves at the next step boundary; once it has finished, this does nothing
+        self.is_cancelled = True
+
+
+class LiveRequests:
+    """generate on a thread of its own, the engine, which `with` starts and joins; other threads only submit,
+    read and cancel: `with LiveRequests(model, **generate's options) as live: stream = live.submit(request)`."""
+    completions = None  # what generate returns: live, each Stream holds its own
+
+    def __init__(self, model, **options):
+        self.model, self.options, self.device = model, options, model.lm_head.weight.device
+        self.changed = threading.Condition()  # guards the three below; notified on a submission and the close
+        self.submitted, self.n_submitted = deque(), 0  # Streams not taken in yet; request indices handed out
+        self.is_closed, self.is_aborting, self.error = False, False, None
+        self.started = threading.Event()  # set once generate has checked its arguments and made its cache
+        self.streams = {}  # request index -> Stream, for requests in the loop: the engine's thread only
+
+    def __enter__(self):  # the engine's thread, then wait until generate has checked its arguments
+        self.thread = threading.Thread(target=self.serve, name="nanobatch engine", daemon=True)
+        self.thread.start()
+        self.started.wait()
+        if self.error:
+            self.close()  # joins the thread, raises the error
+        return self
+
+    def serve(self):  # the engine's thread: the loop, and its error carried to every reader
+        try:
+            generate(self.model, self, **self.options)
+        except BaseException as error:
+            with self.changed:
+                self.error, self.is_closed = error, True
+                for stream in [*self.streams.values(), *self.submitted]:
+                    stream.items.put(error)
+            self.started.set()
+
+    def submit(self, request):  # into the queue -> its Stream; a request generate would refuse: a ValueError
+        request = check_request(self.model, request, "request", self.options.get("max_len") or
+                                self.model.config.block_size, self.options.get("kv_blocks"),
+                                self.options.get("kv_block_size", 16))  # generate's defaults
+        with self.changed:
+            if self.is_closed:
+                raise RuntimeError("LiveRequests is closed: it takes no more requests") from self.error
+            stream, self.n_submitted = Stream(self.n_submitted, request), self.n_submitted + 1
+            self.submitted.append(stream)
+            self.changed.notify_all()
+        return stream
+
+    def close(self, abort=False):  # no more submissions; the loop ends drained, or (abort) all aborted
+        with self.changed:
+            self.is_closed, self.is_aborting = True, self.is_aborting or abort
+            self.changed.notify_all()
+        self.thread.join()
+        if self.error:
+            raise self.error
+
+    def __exit__(self, *exception):  # left on an error, the requests in flight are aborted
+        self.close(abort=exception[0] is not None)
+
+    def more_to_come(self):  # idle: wait for a submission -> False once closed with none left
+        self.started.set()  # the first call: generate has checked its arguments and made its cache
+        with self.changed:
+            self.changed.wait_for(lambda: self.submitted or self.is_closed)
+            return bool(self.submitted)
+
+    def next_arrival(self, step):  # a live request arrives at the step that takes it in: the clock stays
+        return step
+
+    def arrived(self, step, step_start):  # -> what was submitted since the last step, as Running
+        with self.changed:
+            streams, self.submitted = self.submitted, deque()
+        self.streams.update((stream.request_index, stream) for stream in streams)
+        return [Running(stream.request_index, request := replace(stream.request, arrival=step),
+                        sampler=new_sampler(request, self.device), arrived_at=stream.submitted_at)
+                for stream in streams]
+
+    def cancelled(self, step, waiting, belt, held):  # the cancelled (aborting: all) leave, told "abort"
+        # One whose prompt the prefill worker holds (Part 2) leaves once handed back: the worker writes its slot.
+        leaving = [run for run in [*waiting, *belt] if run and run.request_index not in held and
+                   (self.is_aborting or self.streams[run.request_index].is_cancelled)]
+        for run in leaving:
+            run.finish("abort", step)
+            self.hear(run, None)
+        return leaving
+
+    def hear(self, run, token):  # an item to run's Stream now; its last, with the Completion, ends the stream
+        stream = self.streams.pop(run.request_index) if run.completion else self.streams[run.request_index]
+        stream.completion = run.completion
+        stream.items.put((token, run.completion and run.completion.finish_reason))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -813,28 +960,31 @@ def check_arguments(model, requests, n_slots, max_len, eos_id, policy, prefill_c
                          "feed padding into positions of their own, and the prefill worker fills a slot's max_len")
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
         raise ValueError(f"requests must be an iterable of Request, got {type(requests).__name__}")
-    checked = []
-    for i, r in enumerate(requests):  # read once: a generator is used up by it
-        if not isinstance(r, Request):
-            raise ValueError(f"requests[{i}] must be a Request, got {type(r).__name__}")
-        prompt = token_ids(r.prompt, f"requests[{i}].prompt", V)
-        if len(prompt) >= max_len:
-            raise ValueError(f"requests[{i}].prompt has {len(prompt)} tokens, which leaves no room in "
-                             f"max_len={max_len}: at most {max_len - 1} fit")
-        checked.append(replace(  # a copy in plain types, each number checked as it is converted
-            r, prompt=prompt,
-            max_new_tokens=checked_int(r.max_new_tokens, f"requests[{i}].max_new_tokens", 1),
-            temperature=checked_temperature(r.temperature, f"requests[{i}].temperature"),
-            top_k=checked_int(r.top_k, f"requests[{i}].top_k", 1, may_be_none=True),
-            seed=checked_int(r.seed, f"requests[{i}].seed", *SEED_RANGE, may_be_none=True),
-            arrival=checked_int(r.arrival, f"requests[{i}].arrival", 0)))
-        n_needed = math.ceil(min(len(prompt) + checked[-1].max_new_tokens, max_len) / kv_block_size)
-        if kv_blocks is not None and n_needed > kv_blocks:  # alone, and still out of blocks: it could never finish
-            raise ValueError(f"kv_blocks={kv_blocks} cannot hold requests[{i}]'s whole sequence (its prompt and "
-                             f"max_new_tokens, at most max_len): it needs {n_needed} blocks of {kv_block_size} "
-                             f"positions")
+    checked = [check_request(model, r, f"requests[{i}]", max_len, kv_blocks, kv_block_size)
+               for i, r in enumerate(requests)]  # read once: a generator is used up by it
     shape = (n_slots, max_len, "slots") if kv_blocks is None else (kv_blocks, kv_block_size, "blocks")  # the cache's
     check_cache_fits(model.config, *shape[:2], device, model.lm_head.weight.dtype, unit=shape[2])  # model.py
+    return checked
+
+
+def check_request(model, r, name, max_len, kv_blocks, kv_block_size):
+    """One request checked -> a copy in plain types, each number checked as it is converted."""
+    if not isinstance(r, Request):
+        raise ValueError(f"{name} must be a Request, got {type(r).__name__}")
+    prompt = token_ids(r.prompt, f"{name}.prompt", model.config.vocab_size)
+    if len(prompt) >= max_len:
+        raise ValueError(f"{name}.prompt has {len(prompt)} tokens, which leaves no room in "
+                         f"max_len={max_len}: at most {max_len - 1} fit")
+    checked = replace(r, prompt=prompt, max_new_tokens=checked_int(r.max_new_tokens, f"{name}.max_new_tokens", 1),
+                      temperature=checked_temperature(r.temperature, f"{name}.temperature"),
+                      top_k=checked_int(r.top_k, f"{name}.top_k", 1, may_be_none=True),
+                      seed=checked_int(r.seed, f"{name}.seed", *SEED_RANGE, may_be_none=True),
+                      arrival=checked_int(r.arrival, f"{name}.arrival", 0))
+    n_needed = math.ceil(min(len(prompt) + checked.max_new_tokens, max_len) / kv_block_size)
+    if kv_blocks is not None and n_needed > kv_blocks:  # alone, and still out of blocks: it could never finish
+        raise ValueError(f"kv_blocks={kv_blocks} cannot hold {name}'s whole sequence (its prompt and "
+                         f"max_new_tokens, at most max_len): it needs {n_needed} blocks of {kv_block_size} "
+                         f"positions")
     return checked
 
 
@@ -888,7 +1038,7 @@ class StepReport:
 
 
 def step_report(step, step_start, belt, waiting, blocks, prompts, admitted, preempted, packed, n_prompt_tokens,
-                logits, model_s, handovers, sampled, finished, completions):
+                logits, model_s, handovers, sampled, finished):
     """The StepReport of a step, from what the loop recorded and the belt as the step left it
     (before its finished requests retire). Built only for a caller who asked (on_step)."""
     return StepReport(
@@ -898,7 +1048,7 @@ def step_report(step, step_start, belt, waiting, blocks, prompts, admitted, pree
         admitted=[run.request_index for run in admitted], found_cached=[run.n_found for run in admitted],
         cached_free=list(blocks.kept), kv_kept=len(blocks.kept) * blocks.cache.kv.size(3),
         evicted=getattr(blocks, "evicted", None),  # Part 4's record, a new list each step; SlotBlocks, BlockPool: none
-        finished=[(run.request_index, completions[run.request_index]) for run in finished],
+        finished=[(run.request_index, run.completion) for run in finished],
         model_s=model_s, step_s=time.perf_counter() - step_start, sampled=[run.request_index for run in sampled],
         logits=torch.cat([logits] + [handover.logits[None] for handover in handovers]) if handovers else logits,
         packed=packed if len(packed.tokens) else None,  # no token fed (Part 2: all at the worker), no forward to show
@@ -946,8 +1096,8 @@ LEGEND = {  # each figure of summarize(), in the table's order, and what it coun
                               "(disaggregated: also waiting for the prefill worker)",
     "KV moved (MB / ms)": "disaggregated: keys and values the prefill worker copied into decode slots, and "
                           "the seconds its copies took",
-    "KV cache in use": "cache positions holding a token of a request in a slot (kv_used: free kept blocks not counted), "
-                       "a share of all the cache has: mean / peak over the steps",
+    "KV cache in use": "cache positions holding a token of a request in a slot (kv_used: free kept blocks not "
+                       "counted), a share of all the cache has: mean / peak over the steps",
     "preemptions": "paged: requests sent back to the queue for their blocks, to feed prompt and answer again "
                    "(with a prefix cache, what they do not find)",
     "prefix cache hits": "positions admissions found cached (Part 4; a preempted request finding its own blocks "
