@@ -44,10 +44,14 @@ def bits(mask):
     return ["".join("1" if visible else "0" for visible in row) for row in mask.reshape(-1, mask.size(-1)).tolist()]
 
 
-def rows_and_masks(packed, step, occupant, n_sampled_rows, tokenizer):
+def rows_and_masks(packed, step, occupant, n_sampled_rows, tokenizer, max_cells=None):
     """One step's PackedStep -> (its rows, its masks), as the page's contract spells them. occupant:
     occupants()'s map. The first n_sampled_rows of logit_rows are the rows sampled; pack_step puts
-    static's padding rows after them: rows for slots that hold no request."""
+    static's padding rows after them: rows for slots that hold no request. A mask of more than max_cells
+    cells comes without its bits (visible None): the live page's limit, a grid it can draw at every step."""
+    def visible(mask):
+        return None if max_cells is not None and mask.numel() > max_cells else bits(mask)
+
     if packed is None:  # Part 2: the loop waited for the worker, and ran no forward
         return [], []
     tokens, positions, slots = packed.tokens.tolist(), packed.positions.tolist(), packed.slots.tolist()
@@ -70,9 +74,9 @@ def rows_and_masks(packed, step, occupant, n_sampled_rows, tokenizer):
         row_of_slot = {slot: i for i, slot in enumerate(slots[:D])}
         S = packed.one_token_mask.size(0)
         masks.append(dict(slot=None, rows=[row_of_slot.get(s) for s in range(S)],
-                          visible=bits(packed.one_token_mask)))  # (S, 1, L) -> S strings of L
+                          visible=visible(packed.one_token_mask)))  # (S, 1, L) -> S strings of L
     for chunk_rows, slot, mask in packed.chunks:  # (T, L) each, over its own slot
-        masks.append(dict(slot=slot, rows=list(range(chunk_rows.start, chunk_rows.stop)), visible=bits(mask)))
+        masks.append(dict(slot=slot, rows=list(range(chunk_rows.start, chunk_rows.stop)), visible=visible(mask)))
     return rows, masks
 
 
@@ -80,6 +84,30 @@ def request_data(i, request):
     """What the page's script needs of request i: its name and colour, and where its prompt ends. Its
     stay is in the belt, drawn here by belt_svg.py, each stay's details in its tooltip."""
     return dict(letter=letter(i), colour=colour(i), prompt_len=len(request.prompt))
+
+
+def step_data(report, occupant, tokenizer=None, max_cells=None):
+    """One StepReport -> its step in the page's data: its rows and masks (rows_and_masks), its events, and the
+    cache as the forward left it. occupant: occupants()'s map. tools/serve.py sends each live step in this
+    shape too, so that the live page draws it as this page draws a recorded one."""
+    n_sampled_rows = len(report.sampled) - len(report.handed_over)  # handovers: logits, but no row
+    rows, masks = rows_and_masks(report.packed, report.step, occupant, n_sampled_rows, tokenizer, max_cells)
+    return dict(
+        step=report.step, belt=report.belt, rows=rows, masks=masks,
+        admitted=report.admitted, handed_over=report.handed_over,
+        finished=[[i, c.finish_reason, len(c.tokens)] for i, c in report.finished],
+        waiting=report.waiting, at_worker=report.at_worker,  # the queue, and the worker's prompts, after phase 2
+        n_waiting=report.n_waiting, n_running=report.n_running, n_prefilling=report.n_prefilling,
+        n_prompt_tokens=report.n_prompt_tokens,
+        n_one_token=0 if report.packed is None else report.packed.n_one_token,  # D
+        cut=None if report.packed is None else report.packed.one_token_mask.size(-1),  # the one-token call's L
+        model_s=round(report.model_s, 5), step_s=round(report.step_s, 5),
+        # The cache after the step's forward: each slot's request, positions holding a token, and
+        # blocks (per slot, [slot]); the positions written this step are the rows' own
+        occupants=report.occupants, n_cached=report.n_cached, block_tables=report.block_tables,
+        kv_used=report.kv_used, preempted=report.preempted,  # Part 3: sent back to the queue in phase 3
+        # Part 4: the positions each admitted request found cached, and the free blocks that keep their keys
+        found_cached=report.found_cached, cached_free=report.cached_free)
 
 
 def run_data(run, requests, completions, reports, tokenizer=None):
@@ -90,26 +118,7 @@ def run_data(run, requests, completions, reports, tokenizer=None):
     is drawn from the reports too (belts_html), the worker's lane from the completions."""
     name, n_slots, policy, prefill_chunk, disaggregate, kv_blocks, prefix_cache = run  # kv_blocks None: per slot
     occupant = occupants(reports)
-    steps = []
-    for report in reports:
-        n_sampled_rows = len(report.sampled) - len(report.handed_over)  # handovers: logits, but no row
-        rows, masks = rows_and_masks(report.packed, report.step, occupant, n_sampled_rows, tokenizer)
-        steps.append(dict(
-            step=report.step, belt=report.belt, rows=rows, masks=masks,
-            admitted=report.admitted, handed_over=report.handed_over,
-            finished=[[i, c.finish_reason, len(c.tokens)] for i, c in report.finished],
-            waiting=report.waiting, at_worker=report.at_worker,  # the queue, and the worker's prompts, after phase 2
-            n_waiting=report.n_waiting, n_running=report.n_running, n_prefilling=report.n_prefilling,
-            n_prompt_tokens=report.n_prompt_tokens,
-            n_one_token=0 if report.packed is None else report.packed.n_one_token,  # D
-            cut=None if report.packed is None else report.packed.one_token_mask.size(-1),  # the one-token call's L
-            model_s=round(report.model_s, 5), step_s=round(report.step_s, 5),
-            # The cache after the step's forward: each slot's request, positions holding a token, and
-            # blocks (per slot, [slot]); the positions written this step are the rows' own
-            occupants=report.occupants, n_cached=report.n_cached, block_tables=report.block_tables,
-            kv_used=report.kv_used, preempted=report.preempted,  # Part 3: sent back to the queue in phase 3
-            # Part 4: the positions each admitted request found cached, and the free blocks that keep their keys
-            found_cached=report.found_cached, cached_free=report.cached_free))
+    steps = [step_data(report, occupant, tokenizer) for report in reports]
     return dict(name=name, n_slots=n_slots, policy=policy, prefill_chunk=prefill_chunk, disaggregate=disaggregate,
                 kv_blocks=kv_blocks, prefix_cache=prefix_cache,
                 kv_total=reports[0].kv_total if reports else 0,  # the cache's positions
@@ -181,10 +190,15 @@ def belts_html(shown):
 
 
 def page_html(shown, command=""):
-    """The whole page as text: tools/explore.html with its markers, __HATCH__, __BELTS__ and __DATA__,
-    filled in, in one pass (so that nothing put in is read as a marker)."""
-    data = json.dumps(page_data(shown, command), separators=(",", ":")).replace("<", "\\u003c")  # no "</script>"
-    parts = dict(HATCH=HATCH, BELTS=belts_html(shown), DATA=data)
+    """The whole page as text: what ran, its data and its belts, in tools/explore.html."""
+    return filled(page_data(shown, command), belts_html(shown))
+
+
+def filled(data, belts):
+    """tools/explore.html with its markers, __HATCH__, __BELTS__ and __DATA__, filled in, in one pass (so
+    that nothing put in is read as a marker). tools/serve.py fills it too: a live run, its belt drawn live."""
+    data = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")  # no "</script>"
+    parts = dict(HATCH=HATCH, BELTS=belts, DATA=data)
     return re.sub(r"__(HATCH|BELTS|DATA)__", lambda marker: parts[marker[1]], TEMPLATE.read_text())
 
 

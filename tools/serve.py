@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanobatch.py and model.py
 import explore  # noqa: E402 (tools/: the live page draws each step as the recorded page does)
+from belt_svg import AXIS_H, GAP, LEFT, RIGHT, STRIP_H, SVG_WIDTH, TITLE_H  # noqa: E402
 import nanobatch  # noqa: E402
 from nanobatch import EOT, SEED_RANGE, LiveRequests, Request, is_int, letter  # noqa: E402
 
@@ -39,7 +40,10 @@ UNSUPPORTED = {"n": (1,), "best_of": (1,), "logprobs": (), "echo": (False,), "st
                "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},)}
 FINISH_REASONS = {"eos": "stop", "length": "length", "context": "length", "abort": "abort"}  # nanobatch -> OpenAI
 POLL_S = 0.05  # how often a handler waiting for tokens looks whether its client has gone
-PAGE = Path(__file__).resolve().parent / "serve.html"
+PAGE = Path(__file__).resolve().parent / "serve.html"  # the live part of the page at GET /, in explore.html
+# A mask's bits in a /steps event, at most: past it (a long prompt's chunk: T x L), the page draws no grid, and
+# the engine's thread makes none (a 900-token chunk's bits took 0.3 s to make, 0.8 MB to send, and froze the page)
+MAX_MASK_CELLS = 2 ** 15
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +157,8 @@ def step_event(report, name, requests, tokenizer):
         "preempted": [name(i) for i in report.preempted], "waiting": [name(i) for i in report.waiting],
         "n_prompt_tokens": report.n_prompt_tokens, "kv_used": report.kv_used, "kv_total": report.kv_total,
         "step_ms": round(1e3 * report.step_s, 3), "model_ms": round(1e3 * report.model_s, 3),
-        "explore": explore.step_data(report, explore.occupants([report]), tokenizer), "requests": requests}
+        "explore": explore.step_data(report, explore.occupants([report]), tokenizer, MAX_MASK_CELLS),
+        "requests": requests}
 
 
 def named(report):
@@ -416,7 +421,7 @@ class Handler(BaseHTTPRequestHandler):
                 choice.update(prompt_token_ids=request.prompt, token_ids=stream.completion.tokens)
             n_tokens = len(stream.completion.tokens)
             return self.send_json(200, {**reply, "choices": [choice], "usage": usage(len(request.prompt), n_tokens)})
-        self.start_events()
+        self.start_events(reply["id"])
         n_tokens = 0
         try:
             for token, reason in self.items(stream):
@@ -436,13 +441,16 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             stream.cancel()  # the client has gone: its request leaves the belt at the next step
 
-    def start_events(self):
-        """Server-sent events: no length; the connection closes when they end."""
+    def start_events(self, request_id=None):
+        """Server-sent events: no length; the connection closes when they end. request_id: a completion's id,
+        in vLLM's X-Request-Id header, so that a client (the page) knows its request while it waits."""
         self.close_connection = True
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
+        if request_id is not None:
+            self.send_header("X-Request-Id", request_id)
         self.end_headers()
 
     def send_event(self, body):
@@ -484,14 +492,19 @@ class Handler(BaseHTTPRequestHandler):
     def send_metrics(self):
         self.send_json(200, self.engine.metrics(), "text/plain; version=0.0.4; charset=utf-8")
 
-    def page(self):  # the page, told what it serves: its one marker, __CONFIG__, filled in
-        engine, live = self.engine, self.engine.live
-        config = {"model": engine.model_name, "max_len": engine.max_len, "has_tokenizer": engine.tokenizer is not None,
-                  "n_slots": live.options["n_slots"], "policy": live.options["policy"],
-                  "kv_blocks": live.options["kv_blocks"], "kv_block_size": live.options["kv_block_size"],
-                  "prefix_cache": live.options["prefix_cache"], "needs_api_key": engine.api_key is not None}
-        page = PAGE.read_text().replace("__CONFIG__", json.dumps(config).replace("<", "\\u003c"))
-        self.send_json(200, page, "text/html; charset=utf-8")
+    def page(self):
+        """The live belt: tools/explore.html fed live. Its data: a run with no step yet, which the page fills from
+        /steps, and, as `live`, what this server serves; in its belts' place, the live part: tools/serve.html."""
+        engine, options = self.engine, self.engine.live.options
+        run = ("live", options["n_slots"], options["policy"], options["prefill_chunk"], False, options["kv_blocks"],
+               options["prefix_cache"])  # as nanobatch.Shown.runs holds a run
+        shown = nanobatch.Shown([], [run], {"live": []}, {}, {"live": []}, engine.tokenizer)
+        data = explore.page_data(shown, f"python tools/serve.py: {engine.model_name}, served live")
+        data["live"] = {"model": engine.model_name, "max_len": engine.max_len,
+                        "has_tokenizer": engine.tokenizer is not None, "needs_api_key": engine.api_key is not None,
+                        "belt": dict(width=SVG_WIDTH, left=LEFT, right=RIGHT, title_h=TITLE_H, gap=GAP,
+                                     strip_h=STRIP_H, axis_h=AXIS_H)}  # belt_svg.py's sizes, for the belt drawn live
+        self.send_json(200, explore.filled(data, PAGE.read_text()), "text/html; charset=utf-8")
 
     def log_message(self, format, *args):  # one line a request on stderr, as http.server does, but quieter
         if not getattr(self, "path", "").startswith("/metrics"):
