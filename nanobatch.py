@@ -1326,7 +1326,7 @@ DEMO_PROMPTS = ["The capital of France is", "Once upon a time, in a small villag
                 "The quick brown fox", "Dear hiring manager,", "The best way to learn a language is",
                 "Q: What is continuous batching?\nA:", "The weather today is", "Breaking news:"]
 DEMO_SYSTEM = "You are a helpful assistant. Answer in plain words, briefly, and say so when you do not know.\n\n"
-DEMO_PREFILL_CHUNK = 32  # prompt tokens a step in --demo: a 40-token prompt takes two steps, seen as '~'
+DEMO_PREFILL_CHUNK = 32  # prompt tokens a step in --demo: its 39-token prompt (seed 0) takes two steps, seen as '~'
 
 
 @dataclass
@@ -1359,6 +1359,7 @@ def demo(args):
     n_requests, first_wave = 32, args.slots + args.slots // 2
     lengths = long_tailed(random.Random(args.seed), n_requests, mean=16, cap=64)  # whatever the weights
     rng = random.Random(args.seed + 1)
+    # Offline, random prompts, each of 4 to 40 tokens drawn: with the default --seed 0, 5 to 39.
     prompts = [tokenizer.encode(DEMO_PROMPTS[i % len(DEMO_PROMPTS)]) if tokenizer else
                [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(4, 40))] for i in range(n_requests)]
     if args.prefix_cache:  # Part 4: every prompt after one system prompt (offline, 48 random tokens)

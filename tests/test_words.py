@@ -334,3 +334,22 @@ def test_the_legend_in_docs_api_is_the_tables():
     section = section[:section.find("\n## ", 1) % (len(section) + 1)]  # up to the next section, if one follows
     listed = dict(re.findall(r"^- \*\*(.+?)\*\*: (.+)$", section, re.M))
     assert listed == nanobatch.LEGEND
+
+
+class Drawn(Exception):
+    """Raised in place of running the demo: its requests, as drawn."""
+
+
+def test_the_demos_prompts_are_as_long_as_the_readme_says(monkeypatch):
+    """The README: offline, the demo's prompts are 5 to 39 random tokens with seed 0 (each drawn from
+    4 to 40). Its requests are drawn as `--demo --quick` draws them, then the run is stopped."""
+    def stop(model, requests, *args, **kwargs):
+        raise Drawn(requests)
+
+    monkeypatch.setattr(nanobatch, "run_all", stop)
+    with pytest.raises(Drawn) as drawn, redirect_stdout(io.StringIO()):
+        nanobatch.main(["--demo", "--quick", "--quiet"])
+    lengths = sorted(len(request.prompt) for request in drawn.value.args[0])
+    assert (lengths[0], lengths[-1]) == (5, 39)
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "with prompts of 5 to 39 random tokens (offline, seed 0;" in readme
