@@ -559,28 +559,33 @@ class PrefillWorker:
 # blocks back when it leaves: n_slots only caps how many requests step together. The mask does not
 # change: it speaks of positions, and the block table only says where a position's keys live
 # (model.attend_packed writes through it, model.slot_positions reads through it).
-# When a step needs a block and none is free, the most recently admitted request still in a slot
-# gives its blocks back (a bystander, perhaps, not the request short of a block) and returns to the
-# head of the queue with its tokens: preemption by recompute, vLLM's default. It comes back in a
-# later step, never the one that preempted it, into the lowest free slot (not its old one), once the
-# free blocks hold its whole sequence so far; until then the queue behind it waits. Taken in again,
-# it feeds its prompt and answer again under the same prompt budget, and its generator carries on.
-# Admission counts, as vLLM's first scheduler did (v0's can_allocate, with its watermark of free
-# blocks), each request's whole sequence so far and a little room to grow: without that room, a
-# newcomer took the last free blocks and was preempted a step or two later, when a decoding request
-# reached a new block, to feed its prompt all over again (measured in docs/benchmarks.md).
+# Which block is taken: the free blocks wait in a line, 0, 1, 2, ... at first; a step's feeds take the
+# blocks their new positions reach, in the step's order (plan_step's), each from the front of the line,
+# and a leaving request's blocks, wiped, join its back in table order. No block is nearer than another:
+# the order only makes a run predictable by hand. When a step needs a block and none is free, the most
+# recently admitted request still in a slot gives its blocks back (a bystander, perhaps, not the
+# request short of a block) and returns to the head of the queue with its tokens: preemption by
+# recompute, vLLM's default. It comes back in a later step, never the one that preempted it, into the
+# lowest free slot (not its old one), once admission's rule lets it; until then the queue behind it
+# waits. Taken in again, it feeds its prompt and answer again under the same prompt budget (Part 4:
+# only what it does not find), and its generator carries on. Admission counts, as vLLM's first
+# scheduler did (v0's can_allocate, with its watermark of free blocks), each request's whole sequence
+# so far and a little room to grow: without that room, a newcomer took the last free blocks and was
+# preempted a step or two later, when a decoding request reached a new block, to feed its prompt all
+# over again (measured in docs/benchmarks.md). A newcomer onto an empty belt gets no room: it grows
+# into blocks no one else wants, and the input checks saw to it that its whole sequence fits.
 
 ROOM_TO_GROW = 3  # tokens of growth kept free for each request at admission: the fewest that end the demo's thrash
 
 
 class BlockPool(SlotBlocks):
-    """The same three answers as SlotBlocks, for a pool of blocks: which are free, and which
-    requests hold the others (nano-vllm's BlockManager)."""
+    """SlotBlocks' answers, for a pool of blocks: which are free, in the line they are taken from,
+    and which requests hold the others (nano-vllm's BlockManager)."""
 
     def __init__(self, model, n_blocks, block_size):
         self.cache = model.new_cache(n_blocks, block_size)  # the one large allocation: every block of the pool
         self.block_size = block_size
-        self.free_blocks = deque(range(n_blocks))  # any free block will do: none is nearer than another
+        self.free_blocks = deque(range(n_blocks))  # the line of free blocks: taken from the front
         self.holders = []  # the requests in a slot, in order of admission: the last gives way first
 
     def n_blocks_needed(self, run, n_positions):
@@ -593,9 +598,9 @@ class BlockPool(SlotBlocks):
 
     def admit(self, run, slot, belt):
         """Seat run in the free slot if the free blocks hold, for it and for each request on the belt,
-        its whole sequence so far (fed or not: a prompt, or a preempted request's prompt and answer) and
-        ROOM_TO_GROW tokens more -> whether it did. That is never less than a step feeds, so a step that
-        admits never preempts."""
+        its whole sequence so far (fed or not: a prompt, or a preempted request's prompt and answer)
+        beyond the blocks it holds, and, unless the belt is empty, ROOM_TO_GROW tokens more -> whether it
+        did. That is never less than a step feeds, so a step that admits never preempts."""
         room = ROOM_TO_GROW if self.holders else 0  # alone, it grows into blocks no one else wants
         on_belt = [held for held in belt if held is not None] + [run]
         n_needed = sum(self.n_blocks_needed(held, len(held.request.prompt) + len(held.tokens) + room)
@@ -622,16 +627,16 @@ class BlockPool(SlotBlocks):
             waiting.appendleft(victim)  # its tokens and generator kept: it goes on where it was
             preempted.append(victim.request_index)
             work = plan_step(belt, prefill_chunk)
-        for run, ids in work:
+        for run, ids in work:  # in the step's order: decoding requests by index, then prompts by arrival
             for _ in range(self.n_blocks_needed(run, run.n_cached + len(ids))):
                 run.block_table.append(self.take_block())
         return work, preempted
 
-    def take_block(self):  # a free block for new work: any will do
+    def take_block(self):  # a free block for new work: the front of the line
         return self.free_blocks.popleft()
 
     def vacate(self, run, belt):
-        """As per slot (wiped, its slot emptied), and its blocks back to the pool."""
+        """As per slot (what it wrote wiped, its slot emptied), and its blocks to the back of the line."""
         self.free_blocks.extend(run.block_table)
         self.holders.remove(run)
         super().vacate(run, belt)
@@ -647,14 +652,12 @@ class BlockPool(SlotBlocks):
 # depend only on the tokens up to its end, so a request whose sequence starts with the same tokens
 # may take that block into its block table instead of computing it again (vLLM's automatic prefix
 # caching, SGLang's RadixAttention, nano-vllm's block manager). A full block's key is its tokens and
-# its parent block's key, so equal blocks after different prefixes never match; blocks of answer
-# tokens get keys too, so a preempted request finds its own blocks again. At admission a request
-# takes the longest run of its full blocks found in the cache, all wholly before its last token,
-# which it always feeds: it samples, and never writes into a block another holds. A block becomes
-# matchable only once the forward that wrote it has run: the pool keys blocks when it next looks,
-# at an admission or as their request leaves, both after that forward. A block whose last holder
-# leaves keeps its keys and stays matchable while free; new work takes plain free blocks first,
-# then kept ones, least recently used first, wiped as any reused block is.
+# its parent's key, so equal blocks after different prefixes never match; answer blocks get keys too,
+# so a preempted request finds its own again. A request takes the blocks found, anyone's, wholly
+# before its last token, which it always feeds: it samples, and never writes into a shared block. A
+# block is keyed once, after the forward that wrote it: at an admission (refused or not) or as its
+# request leaves. One whose last holder leaves joins the back of the free line, kept, matchable; a plain
+# one, wiped, its front. New work takes the front: plain blocks, then kept ones, least recently used first.
 
 
 class PrefixCache(BlockPool):
@@ -664,45 +667,58 @@ class PrefixCache(BlockPool):
         super().__init__(model, n_blocks, block_size)
         self.n_tables = [0] * n_blocks  # how many block tables list each block: a shared one, several
         self.key_of, self.block_with = {}, {}  # each keyed block's key; the block that holds each key
+        self.chains = {}  # request index -> its full blocks' keys, each made once while it holds a slot
+        self.n_keyed = {}  # request index -> how many blocks of its table are keyed (found ones are)
+        self.evicted = []  # the kept blocks that this step's new work took, for its report: make_room's
 
     def keys(self, run, n_blocks):
         """Keys of run's first n_blocks full blocks, each (parent's key, tokens): equal keys, equal prefixes."""
-        sequence, keys = run.request.prompt + run.tokens, [None]
-        for start in range(0, n_blocks * self.block_size, self.block_size):
-            keys.append((keys[-1], tuple(sequence[start:start + self.block_size])))
-        return keys[1:]
+        keys = self.chains.setdefault(run.request_index, [])
+        if len(keys) < n_blocks:  # only the keys not made yet
+            sequence = run.request.prompt + run.tokens
+            for start in range(len(keys) * self.block_size, n_blocks * self.block_size, self.block_size):
+                keys.append((keys[-1] if keys else None, tuple(sequence[start:start + self.block_size])))
+        return keys[:n_blocks]
 
     def key_written(self, runs):
-        """Key the full blocks that forwards have written for these runs (a key another block holds
-        already stays with that one: this block is then a duplicate, freed as any unkeyed block)."""
+        """Key the full blocks forwards wrote for these runs, each once (a key held already stays with its block)."""
         for run in runs:
-            for block, key in zip(run.block_table, self.keys(run, run.n_cached // self.block_size)):
+            n_keyed, n_written = self.n_keyed[run.request_index], run.n_cached // self.block_size
+            for block, key in zip(run.block_table[n_keyed:n_written], self.keys(run, n_written)[n_keyed:]):
                 if key not in self.block_with:
                     self.key_of[block], self.block_with[key] = key, block
+            self.n_keyed[run.request_index] = n_written
 
     def admit(self, run, slot, belt):
-        """As BlockPool admits, after run takes the longest run of its blocks found in the cache."""
-        self.key_written(run for run in belt if run)
+        """As BlockPool admits, after run takes the longest run of blocks found in the cache, anyone's."""
+        self.key_written(held for held in belt if held)  # what the forwards so far wrote, run admitted or not
         n_matchable = (len(run.request.prompt) + len(run.tokens) - 1) // self.block_size  # before its last token
         for key in self.keys(run, n_matchable):
             if key not in self.block_with:
                 break
             block = self.block_with[key]
-            if self.n_tables[block] == 0:  # a kept free block, free no more
+            if self.n_tables[block] == 0:  # a kept free block, out of the line: admission counts it as run's
                 self.free_blocks.remove(block)
             self.n_tables[block] += 1
             run.block_table.append(block)
+        if not super().admit(run, slot, belt):
+            self.release(run)  # it waits, holding nothing: what it found, kept, at the back of the line
+            del self.chains[run.request_index]  # looked up again at its next try (Part 5: it may go instead)
+            return False
         run.n_cached = run.n_found = len(run.block_table) * self.block_size
-        if super().admit(run, slot, belt):
-            return True
-        self.release(run)  # it waits, holding nothing
-        return False
+        self.n_keyed[run.request_index] = len(run.block_table)  # the blocks found are keyed already
+        return True
 
-    def take_block(self):  # plain free blocks first (at the front), then kept ones, least recently used first
+    def make_room(self, work, belt, waiting, prefill_chunk):  # as BlockPool's, its evictions recorded afresh
+        self.evicted = []
+        return super().make_room(work, belt, waiting, prefill_chunk)
+
+    def take_block(self):  # the front of the line: plain free blocks first, then kept ones, least recently used first
         block = super().take_block()
         if block in self.key_of:  # evicted: its key forgotten, its keys wiped
             del self.block_with[self.key_of.pop(block)]
             self.cache.clear([block], self.block_size)
+            self.evicted.append(block)
         self.n_tables[block] = 1
         return block
 
@@ -720,6 +736,7 @@ class PrefixCache(BlockPool):
 
     def vacate(self, run, belt):  # as BlockPool's, but what forwards wrote for it is kept, matchable
         self.key_written([run])
+        del self.chains[run.request_index], self.n_keyed[run.request_index]  # made again if it comes back
         self.release(run)
         self.holders.remove(run)
         belt[run.slot] = None
@@ -997,9 +1014,11 @@ class StepReport:
     logits: torch.Tensor  # (R, V): the logits those tokens were sampled from
     packed: PackedStep | None  # what the step's forward ran on, as model.forward_packed took it; None: no forward
     occupants: list[int | None] = field(default_factory=list)  # each slot's request index in the step (None: empty)
-    waiting: list[int] = field(default_factory=list)  # the queue after admission, first in line first
-    kv_used: int = 0  # cache positions written once the step's forward has run, all requests together, a shared
-    #                   block's once: a request finishing in this step counts, the token just sampled does not
+    waiting: list[int] = field(default_factory=list)  # the queue after admission and after phase 3's preemptions
+    #                                                   (the preempted at its head), first in line first
+    kv_used: int = 0  # positions holding a token of a request in a slot, after the forward, before phase 7: the
+    #                   slots' n_cached, a shared block's once (a request finishing in this step counts; the token
+    #                   just sampled, a preempted request's and the free kept blocks' positions do not)
     n_cached: list[int] = field(default_factory=list)  # each slot's share of kv_used (0: an empty slot)
     kv_total: int = 0  # the cache's positions: n_slots x max_len, or (Part 3) the pool's
     handed_over: list[int] = field(default_factory=list)  # Part 2: prompts the worker handed over this step
@@ -1007,9 +1026,15 @@ class StepReport:
     kv_bytes: int = 0  # bytes of keys and values the worker copied into their slots
     kv_s: float = 0.0  # seconds those copies took, on the worker's side
     preempted: list[int] = field(default_factory=list)  # Part 3: requests sent back to the queue this step
-    found_cached: list[int] = field(default_factory=list)  # Part 4: positions each admitted one found cached
-    cached_free: list[int] = field(default_factory=list)  # Part 4: free blocks kept for a match, after the step
-    block_tables: list[list[int]] = field(default_factory=list)  # each slot's blocks after the step (per slot: [slot])
+    found_cached: list[int] = field(default_factory=list)  # Part 4: positions each admitted one found cached (one
+    #                                                        back from a preemption: its own blocks among them)
+    cached_free: list[int] = field(default_factory=list)  # Part 4: free blocks kept for a match, least recently
+    #                                                       used first: after the forward, before phase 7 retires anyone
+    kv_kept: int = 0  # Part 4: positions in those kept blocks, which hold keys for a match but no request's token
+    evicted: list[int] | None = None  # Part 4: kept blocks this step's new work took (phase 3), their keys dropped,
+    #                                   as taken: kept and evicted within the step too. None: no prefix cache
+    block_tables: list[list[int]] = field(default_factory=list)  # each slot's blocks after the forward, before
+    #                                                              phase 7 retires anyone (per slot: [slot])
 
 
 def step_report(step, step_start, belt, waiting, blocks, prompts, admitted, preempted, packed, n_prompt_tokens,
@@ -1021,7 +1046,8 @@ def step_report(step, step_start, belt, waiting, blocks, prompts, admitted, pree
         belt="".join("." if run is None else "~" if run.is_prefilling else letter(run.request_index) for run in belt),
         n_prefilling=sum(run is not None and run.is_prefilling for run in belt), n_prompt_tokens=n_prompt_tokens,
         admitted=[run.request_index for run in admitted], found_cached=[run.n_found for run in admitted],
-        cached_free=list(blocks.kept),
+        cached_free=list(blocks.kept), kv_kept=len(blocks.kept) * blocks.cache.kv.size(3),
+        evicted=getattr(blocks, "evicted", None),  # Part 4's record, a new list each step; SlotBlocks, BlockPool: none
         finished=[(run.request_index, run.completion) for run in finished],
         model_s=model_s, step_s=time.perf_counter() - step_start, sampled=[run.request_index for run in sampled],
         logits=torch.cat([logits] + [handover.logits[None] for handover in handovers]) if handovers else logits,
@@ -1070,10 +1096,13 @@ LEGEND = {  # each figure of summarize(), in the table's order, and what it coun
                               "(disaggregated: also waiting for the prefill worker)",
     "KV moved (MB / ms)": "disaggregated: keys and values the prefill worker copied into decode slots, and "
                           "the seconds its copies took",
-    "KV cache in use": "cache positions holding a token, a share of all the cache has: mean / peak over the steps",
-    "preemptions": "paged: requests sent back to the queue for their blocks, to feed prompt and answer again",
-    "prefix cache hits": "positions admissions found cached (Part 4), a share of all they brought into the cache: "
-                         "those found, and the prompt tokens fed",
+    "KV cache in use": "cache positions holding a token of a request in a slot (kv_used: free kept blocks not "
+                       "counted), a share of all the cache has: mean / peak over the steps",
+    "preemptions": "paged: requests sent back to the queue for their blocks, to feed prompt and answer again "
+                   "(with a prefix cache, what they do not find)",
+    "prefix cache hits": "positions admissions found cached (Part 4; a preempted request finding its own blocks "
+                         "again counts), a share of all they brought into the cache: those found, and the prompt "
+                         "tokens fed. '-': no prefix cache",
 }
 
 
@@ -1117,7 +1146,8 @@ def summarize(requests, completions, reports, wall_s):
                                if any(report.handed_over for report in reports) else None),
         "KV cache in use": (sum(in_use) / len(in_use), max(in_use)) if in_use else None,
         "preemptions": sum(len(report.preempted) for report in reports),
-        "prefix cache hits": n_found / (n_found + n_fed) if n_found + n_fed else None,
+        "prefix cache hits": (n_found / (n_found + n_fed) if n_found + n_fed and reports[0].evicted is not None
+                              else None),  # evicted is None: no prefix cache ran
     }
 
 
@@ -1296,7 +1326,7 @@ DEMO_PROMPTS = ["The capital of France is", "Once upon a time, in a small villag
                 "The quick brown fox", "Dear hiring manager,", "The best way to learn a language is",
                 "Q: What is continuous batching?\nA:", "The weather today is", "Breaking news:"]
 DEMO_SYSTEM = "You are a helpful assistant. Answer in plain words, briefly, and say so when you do not know.\n\n"
-DEMO_PREFILL_CHUNK = 32  # prompt tokens a step in --demo: a 40-token prompt takes two steps, seen as '~'
+DEMO_PREFILL_CHUNK = 32  # prompt tokens a step in --demo: its 39-token prompt (seed 0) takes two steps, seen as '~'
 
 
 @dataclass
@@ -1329,6 +1359,7 @@ def demo(args):
     n_requests, first_wave = 32, args.slots + args.slots // 2
     lengths = long_tailed(random.Random(args.seed), n_requests, mean=16, cap=64)  # whatever the weights
     rng = random.Random(args.seed + 1)
+    # Offline, random prompts, each of 4 to 40 tokens drawn: with the default --seed 0, 5 to 39.
     prompts = [tokenizer.encode(DEMO_PROMPTS[i % len(DEMO_PROMPTS)]) if tokenizer else
                [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(4, 40))] for i in range(n_requests)]
     if args.prefix_cache:  # Part 4: every prompt after one system prompt (offline, 48 random tokens)

@@ -22,7 +22,8 @@ def step(belt, n_running, n_prefilling, n_waiting, step_s, kv_used, handed_over=
     the cache is 2 slots of max_len 10, 20 positions."""
     return SimpleNamespace(belt=belt, n_running=n_running, n_prefilling=n_prefilling, n_waiting=n_waiting,
                            step_s=step_s, model_s=0.8 * step_s, handed_over=list(handed_over), kv_bytes=kv_bytes,
-                           kv_s=kv_s, kv_used=kv_used, kv_total=20, preempted=[], found_cached=[], n_prompt_tokens=0)
+                           kv_s=kv_s, kv_used=kv_used, kv_total=20, preempted=[], found_cached=[], n_prompt_tokens=0,
+                           evicted=None)  # evicted None: no prefix cache ran
 
 
 def served(slot, admit_step, first_token_step, finish_step, token_times_s):
@@ -106,10 +107,11 @@ def test_summarize_prefix_cache_hits_by_hand():
     finds none and feeds 12 over steps 1 and 2; C finds 32 and feeds 8 at step 3. Found 48 of the
     48 + 24 positions the admissions brought into the cache: 2/3. Without a hit, 0; with nothing fed, None."""
     found, fed = [[16], [0], [], [32], []], [4, 6, 6, 8, 0]
-    hits = [SimpleNamespace(**{**vars(report), "found_cached": f, "n_prompt_tokens": n})
+    hits = [SimpleNamespace(**{**vars(report), "found_cached": f, "n_prompt_tokens": n, "evicted": []})
             for report, f, n in zip(SCHEDULE, found, fed)]
     assert nanobatch.summarize(ARRIVALS, SERVED, hits, wall_s=2.5)["prefix cache hits"] == 48 / 72
-    no_hit = [SimpleNamespace(**{**vars(report), "n_prompt_tokens": n}) for report, n in zip(SCHEDULE, fed)]
+    no_hit = [SimpleNamespace(**{**vars(report), "n_prompt_tokens": n, "evicted": []})
+              for report, n in zip(SCHEDULE, fed)]
     assert nanobatch.summarize(ARRIVALS, SERVED, no_hit, wall_s=2.5)["prefix cache hits"] == 0
     assert nanobatch.summarize(ARRIVALS, SERVED, SCHEDULE, wall_s=2.5)["prefix cache hits"] is None
 

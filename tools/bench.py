@@ -409,13 +409,18 @@ def block_table_price(model, row_counts, block_size, n_rounds=15):
           f"rounds of a step each way, alternated; then paged / per slot: the median and the range of the rounds)")
     print(f"{'':10}" + "".join(f"{name:>36}" for name in belts))
     for n_slots in row_counts:
-        try:  # both caches at once: per slot, n_slots x 1024 positions, 4.8 GB at 64 slots of GPT-2 124M in float32
-            model_py.check_cache_fits(config, 2 * n_slots, max_len, device, model.lm_head.weight.dtype)
+        slot_len = block_size * math.ceil(max_len / block_size)  # a slot's positions, in whole blocks
+        try:  # one cache: n_slots x 1024 positions, 4.8 GB at 64 slots of GPT-2 124M in float32
+            model_py.check_cache_fits(config, n_slots, slot_len, device, model.lm_head.weight.dtype)
         except ValueError as e:
             print(f"{n_slots} rows: not timed, {e}")
             continue
-        caches = (model.new_cache(n_slots, max_len), model.new_cache(n_slots * math.ceil(max_len / block_size),
-                                                                     block_size))  # per slot, paged
+        # One cache, read two ways: per slot, and paged through a second KVCache whose blocks are views of the
+        # same memory (slot s's positions are blocks s * slot_len / block_size onwards). Only the time of a
+        # forward is kept, never what it wrote, so the two may write over each other.
+        per_slot, paged = model.new_cache(n_slots, slot_len), model.new_cache(0, block_size)
+        paged.kv = per_slot.kv.view(*per_slot.kv.shape[:2], -1, block_size, *per_slot.kv.shape[4:])
+        caches = (per_slot, paged)
         cells, gather_cells = [], []
         for belt in belts.values():
             positions = [length - 1 for length in belt(n_slots)]
@@ -432,7 +437,7 @@ def block_table_price(model, row_counts, block_size, n_rounds=15):
             gather_cells.append(f"{1e3 * gathers:.1f} ms alone, {gathers / statistics.median(paged):.0%} of paged")
         print(f"{f'{n_slots} rows':10}" + "".join(f"{cell:>36}" for cell in cells))
         print(f"{'  gathers':10}" + "".join(f"{cell:>36}" for cell in gather_cells), flush=True)
-        del caches  # before the next row count's: at 64 rows each holds 4.8 GB
+        del caches, per_slot, paged  # before the next row count's: at 64 rows, 4.8 GB
 
 
 def time_gathers(packed, cache):
