@@ -53,7 +53,9 @@ class Chromium:
         self.profile = tempfile.mkdtemp(prefix="chromium-")
         flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", f"--user-data-dir={self.profile}",
-                 "--remote-debugging-pipe", "--window-size=1400,1000", "about:blank"]
+                 "--remote-debugging-pipe", "--window-size=1400,1000",
+                 # every page as if in front: a page behind another has its timers slowed to one a second
+                 "--disable-background-timer-throttling", "--disable-renderer-backgrounding", "about:blank"]
         # bash puts the two pipes where Chromium looks for them, fds 3 and 4, and becomes Chromium.
         self.process = subprocess.Popen(["bash", "-c", f'exec "$0" "$@" 3<&{commands_in} 4>&{replies_out}', path, *flags],
                                         pass_fds=(commands_in, replies_out), stdout=subprocess.DEVNULL,
