@@ -266,7 +266,7 @@ def pack_step(work, padding_slots, n_slots, device, block_tables=None):
 
 class SlotBlocks:
     """The KV cache per slot: block s is slot s's, max_len positions kept for whoever sits there."""
-    kept = ()  # Part 4: free blocks that keep their keys for a later request; none here
+    kept, evicted = (), None  # Part 4: free blocks that keep their keys, and those evicted this step; none here
 
     def __init__(self, model, n_slots, max_len):
         self.cache = model.new_cache(n_slots, max_len)  # the one large allocation, reused by every request
@@ -1047,7 +1047,7 @@ def step_report(step, step_start, belt, waiting, blocks, prompts, admitted, pree
         n_prefilling=sum(run is not None and run.is_prefilling for run in belt), n_prompt_tokens=n_prompt_tokens,
         admitted=[run.request_index for run in admitted], found_cached=[run.n_found for run in admitted],
         cached_free=list(blocks.kept), kv_kept=len(blocks.kept) * blocks.cache.kv.size(3),
-        evicted=getattr(blocks, "evicted", None),  # Part 4's record, a new list each step; SlotBlocks, BlockPool: none
+        evicted=blocks.evicted,  # Part 4's record, a new list each step; SlotBlocks, BlockPool: None
         finished=[(run.request_index, run.completion) for run in finished],
         model_s=model_s, step_s=time.perf_counter() - step_start, sampled=[run.request_index for run in sampled],
         logits=torch.cat([logits] + [handover.logits[None] for handover in handovers]) if handovers else logits,
