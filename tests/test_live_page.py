@@ -57,9 +57,9 @@ class Chromium:
                  # every page as if in front: a page behind another has its timers slowed to one a second
                  "--disable-background-timer-throttling", "--disable-renderer-backgrounding", "about:blank"]
         # bash puts the two pipes where Chromium looks for them, fds 3 and 4, and becomes Chromium.
-        self.process = subprocess.Popen(["bash", "-c", f'exec "$0" "$@" 3<&{commands_in} 4>&{replies_out}', path, *flags],
-                                        pass_fds=(commands_in, replies_out), stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
+        exec_chromium = f'exec "$0" "$@" 3<&{commands_in} 4>&{replies_out}'
+        self.process = subprocess.Popen(["bash", "-c", exec_chromium, path, *flags], stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, pass_fds=(commands_in, replies_out))
         for fd in (commands_in, replies_out, *low_ends):
             os.close(fd)
         self.n_sent, self.unread, self.events = 0, b"", []
