@@ -1,7 +1,7 @@
 """
-The live belt (issue 41, section 1): the page at GET / of tools/serve.py, in headless Chromium, against a live
---quick server on a free port of 127.0.0.1, as students would use it. The story, on two slots, each request
-named by its letter on the belt:
+The live belt (issue 41, section 1): the page at GET / of tools/serve.py, which is tools/explore.html fed live,
+in headless Chromium, against a live --quick server on a free port of 127.0.0.1, as students would use it. The
+story, on two slots, each request named by its letter on the belt:
   step 0     A, sent by a client that is no page (curl, say), takes slot 0, and the engine is held after the
              step while two pages send a prompt each: B from one, then C from the other
   step 1     B takes slot 1 and makes its first token, A its second and last; C waits for a slot. The engine
@@ -21,6 +21,7 @@ import fcntl
 import http.client
 import json
 import os
+import re
 import select
 import shutil
 import subprocess
@@ -33,6 +34,7 @@ import pytest
 import nanobatch
 from tests.common import TIMEOUT_S
 import belt_svg  # noqa: E402 (tools/, put on the path by tests.common)
+import explore  # noqa: E402
 import serve  # noqa: E402
 
 WAIT_S = 10  # a page, the engine or the browser that takes longer than this has hung
@@ -208,6 +210,16 @@ def send_from(browser, page, prompt, max_tokens):
       document.querySelector("#send-button").click();""")
 
 
+def get_page(port):
+    """GET / -> the page, as text."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT_S)
+    try:
+        connection.request("GET", "/")
+        return connection.getresponse().read().decode()
+    finally:
+        connection.close()
+
+
 def stream_from_a_client(port, prompt, max_tokens, out):
     """A client that is no page: a streamed completion over http.client, its chunks into out."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT_S)
@@ -242,6 +254,7 @@ def session():
         try:
             engine = serve.start(serve.parse(["--quick", "--port", "0", "--slots", "2"]))
             port = engine.httpd.server_address[1]
+            page_text = get_page(port)
             pages = dict(zip(PROMPTS, browser.open(f"http://127.0.0.1:{port}/", len(PROMPTS))))
             for page in pages.values():  # each page reads /steps before anything is sent
                 browser.until(page, 'document.querySelector("#following").dataset.connected === "1"')
@@ -262,7 +275,7 @@ def session():
                                           LOOK) for name, page in pages.items()}
             client.join(WAIT_S)
             yield dict(browser=browser, pages=pages, at_step_1=at_step_1, at_end=at_end, tokens=steps.tokens,
-                       sent=sent, client=client_out)
+                       sent=sent, client=client_out, page=page_text)
         finally:
             steps.run_free()
             browser.close()
@@ -270,6 +283,21 @@ def session():
                 serve.stop(engine)
             if client is not None:
                 client.join(WAIT_S)
+
+
+def test_the_page_is_explore_html_fed_live(session):
+    """GET / is tools/explore.html with its three markers filled in, no copy of its script or its style: in its
+    belts' place tools/serve.html, the live part; as its data a run named live with no step yet (the steps come
+    from /steps), and what the server serves, belt_svg.py's sizes among it."""
+    parts = re.split(r"__(?:HATCH|BELTS|DATA)__", explore.TEMPLATE.read_text())
+    filled = re.fullmatch("(.*?)".join(map(re.escape, parts)), session["page"], re.S)
+    assert filled, "GET / is not tools/explore.html filled in"
+    hatch, belts, data = filled.groups()
+    assert hatch == belt_svg.HATCH and belts == serve.PAGE.read_text()
+    data = json.loads(data)
+    assert [(run["name"], run["n_slots"], run["steps"]) for run in data["runs"]] == [("live", 2, [])]
+    assert data["live"]["has_tokenizer"] is False and data["live"]["needs_api_key"] is False
+    assert data["live"]["belt"]["left"] == belt_svg.LEFT and data["live"]["belt"]["width"] == belt_svg.SVG_WIDTH
 
 
 def request_of(look):
