@@ -332,6 +332,17 @@ def test_malformed_requests_on_a_raw_socket(server):
     assert call(server, "GET", "/health")[0] == 200
 
 
+def test_a_refused_post_closes_its_connection(server):
+    """A POST refused before its body is read (an unknown path here) closes its connection: its body, left
+    unread, is never taken for a second request on a kept-alive connection."""
+    with raw(server) as connection:
+        body = b'{"prompt": [1]}'
+        connection.sendall(b"POST /v1/nope HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body) +
+                           b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, reply = reply_of(connection)  # reads until the server closes: one reply only
+    assert status == 404 and reply["error"]["code"] == "not_found", reply
+
+
 def test_the_api_key(server, monkeypatch):
     """With --api-key, /v1/ needs Authorization: Bearer KEY (401 without); /health and /metrics do not."""
     monkeypatch.setattr(server, "api_key", "sesame")
@@ -494,7 +505,7 @@ def test_ctrl_c_aborts_what_is_in_flight_and_exits_0(tmp_path):
         process.send_signal(signal.SIGINT)
         sent = time.monotonic()
         assert process.wait(timeout=TIMEOUT_S) == 0
-        assert time.monotonic() - sent < 3, "it took over 3 s to stop"
+        assert time.monotonic() - sent < 5, "it took over 5 s to stop"  # about 0.5 s here; a loaded machine, more
         for thread in clients:
             thread.join(TIMEOUT_S)
         reasons = sorted(chunks[-2]["choices"][0]["finish_reason"] for chunks in streams)
