@@ -1,0 +1,184 @@
+"""
+tools/load_http.py, latency against load measured by a client, against a live --quick server in this process
+(serve.start on a free port of 127.0.0.1). The server's model is made to take at least FLOOR_S a step, so that
+every time the tool reports has a floor the arithmetic states, on any machine however busy:
+1) the counts are what the server did: its /metrics counters, the draw's prompts, what the streams carried;
+2) the times: a TTFT is at least a step, a request's ITLs at least a step each on the whole, its E2E at least a
+   step a token, and TTFT + its ITLs is its E2E; the requests went out at the draw's times / rate;
+3) the percentiles are nearest rank: on values whose percentiles are known, and on the run's own values;
+4) a time limit bounds a run: streams still open are cut, the server cancels them, every thread is joined;
+   a request the server refuses is counted failed.
+The tool runs as a user runs it, through main(), in about a second.
+"""
+import contextlib
+import io
+import json
+import math
+import threading
+import time
+
+import pytest
+
+import load_http  # tools/, put on the path by tests.common
+import serve
+from tests.common import TIMEOUT_S
+from tests.test_serve import metrics
+
+FLOOR_S = 0.01  # every engine step sleeps this long first: a step, and so a token, takes at least this
+RATE, N_REQUESTS = 16, 12  # requests a second, and how many: load.py's draw of 12 arrives within 0.41 s
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A --quick server whose every forward takes at least FLOOR_S; stopped, and its threads joined, at the end."""
+    engine = serve.start(serve.parse(["--quick", "--port", "0", "--max-len", "128"]))
+    forward = engine.model.forward_packed
+
+    def slowed(*args, **kwargs):
+        time.sleep(FLOOR_S)
+        return forward(*args, **kwargs)
+
+    engine.model.forward_packed = slowed  # read by the engine's thread at every step
+    try:
+        yield engine
+    finally:
+        stopping = threading.Thread(target=serve.stop, args=(engine,), daemon=True)
+        stopping.start()
+        stopping.join(TIMEOUT_S)
+        assert not stopping.is_alive(), "the server did not stop"
+
+
+def url(server):
+    return f"http://127.0.0.1:{server.httpd.server_address[1]}/"
+
+
+def run_tool(server, tmp_path, *options):
+    """load_http.main with options -> (its results, what it printed on stdout, the JSON it wrote)."""
+    path = tmp_path / "load.json"
+    with contextlib.redirect_stdout(io.StringIO()) as printed, contextlib.redirect_stderr(io.StringIO()):
+        results = load_http.main(["--url", url(server), "--warmups", "0", "--json", str(path), *options])
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("load_http")], "a thread outlived its run"
+    return results, printed.getvalue(), json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def measured(server, tmp_path_factory):
+    """One run at RATE, with the server's counters read before and after -> (figures, replies, printed,
+    written, the counters' growth)."""
+    before = metrics(server)
+    results, printed, written = run_tool(server, tmp_path_factory.mktemp("load"), "--rate", str(RATE),
+                                         "--requests", str(N_REQUESTS))
+    after = metrics(server)
+    [(rate, figures, replies)] = results
+    assert rate == RATE
+    return figures, replies, printed, written, {name: after[name] - before[name] for name in after}
+
+
+def nearest_rank(values, q):
+    """The percentile as its definition states it: the value at rank ceil(q/100 x n) of the sorted values."""
+    return sorted(values)[math.ceil(q / 100 * len(values)) - 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1) Counts
+
+
+def test_the_counts_are_what_the_server_did(measured):
+    """Every request completed; the tokens the report counts are those /metrics counted, the prompt tokens those
+    the draw holds, and each answer is its drawn length unless the server stopped it at EOS."""
+    figures, replies, printed, written, grown = measured
+    workload = load_http.draw(0, N_REQUESTS, load_http.GPT2_VOCAB)
+    assert (figures["completed"], figures["failed"], figures["not sent"]) == (N_REQUESTS, 0, 0)
+    finished = sum(grown[f"nanobatch:request_success_total|{reason}"] for reason in ("stop", "length"))
+    assert finished == N_REQUESTS and grown["nanobatch:request_success_total|abort"] == 0
+    assert figures["output tokens"] == grown["nanobatch:generation_tokens_total"] == \
+        sum(reply.output_tokens for reply in replies)
+    assert figures["input tokens"] == grown["nanobatch:prompt_tokens_total"] == sum(len(p) for p, _, _ in workload)
+    for reply, (_, n_new, _) in zip(replies, workload):
+        assert reply.max_tokens == n_new and len(reply.chunk_s) == reply.output_tokens, reply  # a chunk a token
+        assert reply.output_tokens == n_new if reply.finish_reason == "length" else reply.finish_reason == "stop"
+    assert figures["requests/s"] == pytest.approx(N_REQUESTS / figures["duration (s)"])
+    assert figures["output tokens/s"] == pytest.approx(figures["output tokens"] / figures["duration (s)"])
+    [line] = [line.split() for line in printed.splitlines() if line.startswith(f"{RATE:>6}")]
+    assert line[1:3] == [str(N_REQUESTS)] * 2 and float(line[5]) == round(figures["output tokens/s"], 1), line
+    assert written[0]["output tokens"] == figures["output tokens"] and len(written[0]["replies"]) == N_REQUESTS
+
+
+# ---------------------------------------------------------------------------------------------
+# 2) Times
+
+
+def test_each_time_is_at_least_the_steps_it_spans(measured):
+    """A first token needs a step; a request's n tokens come in n steps, so its E2E is at least n steps and its
+    ITLs add up to at least n - 1 (one alone may be shorter: a chunk held up on its way, the next one not);
+    TTFT + the ITLs is the E2E, as vLLM adds them; and the median ITL, a step, is at least the floor."""
+    figures, replies, _, _, _ = measured
+    for reply in replies:
+        n = reply.output_tokens
+        assert reply.ttft_s >= FLOOR_S and reply.e2el_s >= n * FLOOR_S, reply
+        assert sum(reply.itl_s) >= (n - 1) * FLOOR_S, reply
+        assert reply.ttft_s + sum(reply.itl_s) == pytest.approx(reply.e2el_s, abs=1e-9)
+    assert figures["itl"]["P50"] >= FLOOR_S
+    assert figures["duration (s)"] >= max(reply.sent_s + reply.e2el_s for reply in replies)
+
+
+def test_the_requests_went_out_at_the_draws_times(measured):
+    """Poisson arrivals at RATE a second: request i is sent at the draw's time i / RATE, give or take a thread's
+    start, in the draw's order."""
+    _, replies, _, _, _ = measured
+    workload = load_http.draw(0, N_REQUESTS, load_http.GPT2_VOCAB)
+    late = [reply.sent_s - at / RATE for reply, (_, _, at) in zip(replies, workload)]
+    assert all(-1e-3 <= lateness < 0.1 for lateness in late), late
+
+
+# ---------------------------------------------------------------------------------------------
+# 3) Percentiles
+
+
+def test_percentiles_are_nearest_rank(measured):
+    """On values whose percentiles are known (Wikipedia's worked example of the nearest-rank method: of 15, 20,
+    35, 40, 50 the 5th percentile is 15, the 30th 20, the 40th 20, the 50th 35, the 100th 50), and on the run:
+    each P50, P90, P99 and mean the report gives is that of the replies' own values."""
+    example = [15, 20, 35, 40, 50]
+    assert [load_http.percentile(example, q) for q in (5, 30, 40, 50, 100)] == [15, 20, 20, 35, 50]
+    assert [load_http.percentile(list(range(100, 0, -1)), q) for q in load_http.QUANTILES] == [50, 90, 99]
+    assert [load_http.percentile(list(range(1, 11)), q) for q in load_http.QUANTILES] == [5, 9, 10]
+    figures, replies, _, _, _ = measured
+    values = {"ttft": [r.ttft_s for r in replies], "itl": [gap for r in replies for gap in r.itl_s],
+              "e2el": [r.e2el_s for r in replies]}
+    for name, these in values.items():
+        assert figures[name] == {"mean": pytest.approx(sum(these) / len(these)),
+                                 **{f"P{q}": nearest_rank(these, q) for q in (50, 90, 99)}}, name
+
+
+# ---------------------------------------------------------------------------------------------
+# 4) Bounds and failures
+
+
+def test_a_time_limit_cuts_the_run_and_the_server_frees_what_was_cut(server, tmp_path):
+    """With --time-limit 0.15, the 7 requests due after it are not sent, and those still streaming then are cut:
+    the second, third and fifth, which ask 19, 15 and 25 tokens, at least 0.19 s. The server sees each cut
+    client gone and aborts its request; the tool joined its threads (run_tool checks)."""
+    before = metrics(server)
+    [(_, figures, replies)], _, _ = run_tool(server, tmp_path, "--rate", str(RATE), "--requests", str(N_REQUESTS),
+                                             "--time-limit", "0.15")
+    workload = load_http.draw(0, N_REQUESTS, load_http.GPT2_VOCAB)
+    assert [reply.sent_s is None for reply in replies] == [at / RATE >= 0.15 for _, _, at in workload] == \
+        [False] * 5 + [True] * 7
+    cut = [reply.index for reply in replies if reply.error == "cut at the time limit"]
+    assert {1, 2, 4} <= set(cut) and figures["failed"] == len(cut) and figures["completed"] == 5 - len(cut)
+    deadline = time.perf_counter() + TIMEOUT_S
+    while metrics(server)["nanobatch:request_success_total|abort"] - before["nanobatch:request_success_total|abort"] \
+            < len(cut) and time.perf_counter() < deadline:
+        time.sleep(0.02)
+    after = metrics(server)
+    assert after["nanobatch:request_success_total|abort"] - before["nanobatch:request_success_total|abort"] == len(cut)
+
+
+def test_a_refused_request_is_counted_failed(server, tmp_path):
+    """Token ids beyond the server's vocabulary: it answers 400, and the tool counts those requests failed, with
+    the server's reason, and their tokens nowhere."""
+    [(_, figures, replies)], _, _ = run_tool(server, tmp_path, "--rate", "inf", "--requests", "3",
+                                             "--vocab-size", "1000000")
+    assert figures["completed"] == 0 and figures["failed"] == 3 and figures["output tokens"] == 0
+    assert all(reply.error.startswith("HTTP 400") and "outside the vocabulary" in reply.error for reply in replies)
