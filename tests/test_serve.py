@@ -184,6 +184,8 @@ def test_models_health_metrics_and_the_page(server):
     assert after["nanobatch:prompt_tokens_total"] - before["nanobatch:prompt_tokens_total"] == 5
     assert after["nanobatch:generation_tokens_total"] - before["nanobatch:generation_tokens_total"] == 4
     assert after["nanobatch:request_success_total|length"] - before["nanobatch:request_success_total|length"] == 1
+    assert after["nanobatch:num_requests_running"] == 0 and after["nanobatch:kv_cache_usage_perc"] == 0, \
+        "the gauges count a request that retired in the last step"
     status, headers, data = call(server, "GET", "/")
     assert status == 200 and headers["Content-Type"].startswith("text/html") and b"__CONFIG__" not in data
 

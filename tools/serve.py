@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -191,6 +192,7 @@ class Engine:
         self.prompt_lengths = {}  # request index -> prompt tokens, until its first token is counted
         self.queued = set()  # request indices submitted and not in a slot: the queue --max-waiting limits
         self.running, self.kv_usage, self.is_stopping = 0, 0.0, False
+        self.block_size = args.kv_block_size if args.kv_blocks else args.max_len  # positions in a block of the cache
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_preemptions": 0}
         self.finished = dict.fromkeys(("stop", "length", "abort"), 0)  # request_success_total by finished_reason
         self.watchers = []  # a queue per /steps client: each step's event, as JSON
@@ -233,8 +235,12 @@ class Engine:
                 del self.shown[i]
             self.queued -= {*report.admitted, *(i for i, _ in report.finished)}
             self.queued |= set(report.preempted)
-            self.running = sum(i is not None for i in report.occupants)
-            self.kv_usage = report.kv_used / report.kv_total
+            # The belt as the step leaves it, once its finished requests have retired (phase 7): what is held now.
+            leaving = {i for i, _ in report.finished}
+            staying = [SimpleNamespace(n_cached=n, block_table=table) for i, n, table in zip(
+                report.occupants, report.n_cached, report.block_tables) if i is not None and i not in leaving]
+            self.running = len(staying)
+            self.kv_usage = nanobatch.positions_in_use(staying, self.block_size) / report.kv_total
             watchers = list(self.watchers)
         if not watchers:  # no one reads /steps: no event made, the engine pays for it only while it is read
             return
