@@ -315,6 +315,14 @@ def sees_one_past_its_own(positions, L):
     return torch.arange(L, device=positions.device)[None, None, :] <= positions[:, :, None] + 1  # (B, T, L)
 
 
+def broken_both_ways(positions, L):
+    """Broken on purpose, both ways: a token may see the position after its own, and none sees positions
+    1 and 2 (a token at 1 or 2 misses its own position, a later one two earlier positions)."""
+    key_positions = torch.arange(L, device=positions.device)[None, None, :]
+    hidden = (key_positions >= 1) & (key_positions <= 2) & (key_positions <= positions[:, :, None])
+    return (key_positions <= positions[:, :, None] + 1) & ~hidden  # (B, T, L)
+
+
 def test_a_broken_mask_shows_in_the_page(explored_runs, monkeypatch):
     """The page draws the engine's masks, not its own: a mask that lets a row see the position after
     its own shows as a 1 past the query's position; the engine's own never does."""
@@ -559,7 +567,8 @@ def test_every_field_of_the_data_is_drawn(quick_page):
 #
 # Six requests on two slots (HAND_WORKED, tests/common.py; eos_id=None, so each makes exactly
 # max_new_tokens), whose schedule is worked out below, run six ways: continuous, static,
-# disaggregated, continuous under a mask that sees one position past its own, paged in a pool so
+# disaggregated, continuous under a mask broken both ways (it sees one position past its own, and hides
+# positions 1 and 2), paged in a pool so
 # small that a request is preempted, and the same pool with a prefix cache, in which requests find,
 # share, keep and evict blocks. The page of these six runs is opened once in Chromium, where a probe
 # runs the page's own script again, in a scope of its own, at every step of every run: as written,
@@ -636,7 +645,7 @@ BY_HAND = {  # name -> generate's options
     "continuous": dict(policy="continuous"),
     "static": dict(policy="static"),
     "disaggregated": dict(policy="continuous", disaggregate=True),
-    "broken": dict(policy="continuous"),  # run with sees_one_past_its_own for the mask
+    "broken": dict(policy="continuous"),  # run with broken_both_ways for the mask
     "paged": dict(policy="continuous", kv_blocks=6, kv_block_size=2),
     "prefix cache": dict(policy="continuous", kv_blocks=6, kv_block_size=2, prefix_cache=True),
 }
@@ -655,6 +664,10 @@ PLANTED = {  # a defect: (the style or the script, the text as written, the text
                                        'if (bit === "1" && l > row.position && mask.slot !== null) marks = " leak";'),
     "no marks in a chunk": ("script", 'if (bit === "1" && l > row.position) marks = " leak";',
                             'if (bit === "1" && l > row.position && mask.slot === null) marks = " leak";'),
+    "a hole at its own position unmarked": ("script", 'else if (bit === "0" && l <= row.position) marks = " hole";',
+                                            'else if (bit === "0" && l < row.position) marks = " hole";'),
+    "a hole outlined as its own position": ("style", ".cell.hole { outline: 2px solid #06c; outline-offset: -2px; }",
+                                            ".cell.hole { outline: 1px solid #222; outline-offset: -1px; }"),
     "the frame at the index": ("script", "+svg.dataset.left + step.step * +svg.dataset.stepWidth",
                                "+svg.dataset.left + index * +svg.dataset.stepWidth"),
     "the queue before admission": ("script", "chips(step.waiting)", "chips([...step.admitted, ...step.waiting])"),
@@ -719,12 +732,14 @@ PLANTED = {  # a defect: (the style or the script, the text as written, the text
         '    const held = during.length ? chips(during).join("") : "none";'),
 }
 
-# The defects whose checks read the colours painted (check_cells, check_marks, check_cache_cells): the
+# The defects whose checks read the colours painted (check_cells, check_marks, check_mask_marks,
+# check_cache_cells): the
 # probe reads each cell's computed style for these only (a style read per cell, in 43 runs of the page's
 # script over every link, took a third of the probe's seconds: on two shared cores, 8 to 10 s read for
-# every defect, 6 s for these 13 only).
+# every defect, 6 s for these 13 only; 15 now).
 PAINTED = {"a 1 painted as a 0", "cells painted from positions", "its own position marked",
            "no marks in the one-token call", "no marks in a chunk", "block tables shifted by one", "fill from kv_used",
+           "a hole at its own position unmarked", "a hole outlined as its own position",
            "fill from the table's start", "writes into the table's first block", "empty painted as held",
            "one holder per block", "shared painted in one colour", "kept painted as held"}
 
@@ -738,7 +753,8 @@ function look(hash) {
   const belt = [...document.querySelectorAll(".belt")].find((belt) => belt.style.display !== "none");
   const cell = (cell) => {
     const painted = paint ? getComputedStyle(cell) : {};
-    return [cell.dataset.visible, painted.backgroundColor, painted.backgroundImage !== "none"];
+    return [cell.dataset.visible, painted.backgroundColor, painted.backgroundImage !== "none",
+            painted.outlineStyle === "none" ? "none" : `${painted.outlineColor} ${painted.outlineWidth}`];
   };
   return {step: document.querySelector("#shown-step").textContent, hash,
           frames: [...belt.querySelectorAll(".mark")].map((frame) => +frame.getAttribute("x")),
@@ -819,7 +835,7 @@ def run_by_hand(name):
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         if name == "broken":
-            monkeypatch.setattr(nanobatch, "attention_mask", sees_one_past_its_own)
+            monkeypatch.setattr(nanobatch, "attention_mask", broken_both_ways)
         monkeypatch.setattr(nanobatch.PrefixCache, "take_block", evicting)
         completions = generate(tiny_gpt(), hand_worked_requests(), n_slots=2, eos_id=None, on_step=reports.append,
                                **options)
@@ -879,7 +895,7 @@ def check_planted(check, probed, *defects):
     """check passes on the page as written, and fails (an AssertionError) on each of the defects planted."""
     check(probed, probed.looked["as written"])
     for defect in defects:  # a check of colours fails on a defect whose colours were not read: not its teeth
-        assert defect in PAINTED or check not in (check_cells, check_marks, check_cache_cells), \
+        assert defect in PAINTED or check not in (check_cells, check_marks, check_mask_marks, check_cache_cells), \
             f"{defect}: add it to PAINTED, so that the probe reads its colours"
         try:
             check(probed, probed.looked[defect])
@@ -907,7 +923,7 @@ def test_deep_links_on_a_run_whose_clock_jumps(probed):
 
 def cells_of(look, step):
     """Each mask cell drawn at a step, with what the data say of it -> [(where, its bit, the row it is
-    for (None: a dummy query), its position, what was drawn: (data-visible, colour, hatched))]."""
+    for (None: a dummy query), its position, what was drawn: (data-visible, colour, hatched, outline))]."""
     assert len(look["grids"]) == len(step["masks"]), "a grid per mask"
     cells = []
     for g, (mask, grid) in enumerate(zip(step["masks"], look["grids"])):
@@ -923,7 +939,7 @@ def check_cells(probed, looks):
     """Each cell says its bit (data-visible) and is painted as its bit says: a 1 in its row's colour
     (grey for padding or a dummy query; red where it is past the row's position), a 0 empty or hatched."""
     for (link, run, step), look in zip(probed.links, looks):
-        for where, bit, row, l, (visible, colour, hatched) in cells_of(look, step):
+        for where, bit, row, l, (visible, colour, hatched, _) in cells_of(look, step):
             where = f"{link}, mask {where[0]}, query {where[1]}, position {l}"
             assert visible == bit, f"{where}: data-visible {visible}, the data {bit}"
             painted_one = not hatched and colour != EMPTY
@@ -943,7 +959,7 @@ def check_marks(probed, looks):
     """Red exactly where a 1 lies past its row's position."""
     for (link, run, step), look in zip(probed.links, looks):
         cells = cells_of(look, step)
-        red = {where for where, _, _, _, (_, colour, _) in cells if colour == RED}
+        red = {where for where, _, _, _, (_, colour, *_) in cells if colour == RED}
         past = {where for where, bit, row, l, _ in cells if bit == "1" and row is not None and l > row["position"]}
         assert red == past, f"{link}: red but not past their rows {sorted(red - past)}, unmarked {sorted(past - red)}"
 
@@ -959,6 +975,48 @@ def test_a_mask_that_sees_one_past_is_marked_where_it_does(probed):
     assert leaking == {True, False}, "the broken run should see past its rows in the one-token call and in a chunk"
     check_planted(check_marks, probed, "its own position marked", "no marks in the one-token call",
                   "no marks in a chunk")
+
+
+OUTLINES = {"own": "rgb(34, 34, 34) 1px", "hole": "rgb(0, 102, 204) 2px", "leak": "rgb(153, 0, 0) 2px"}
+
+
+def check_mask_marks(probed, looks):
+    """Each cell of a row (not a dummy query) carries the one mark its bit and position call for, as the
+    legend says: a 1 at its own position outlined dark; a 1 past it red, outlined dark red; a 0 at or
+    before it (a hole: a broken mask) outlined blue; a 0 past it but within its chunk's last row's
+    position (a later token of the same chunk) hatched; any other cell neither outlined nor hatched."""
+    for (link, run, step), look in zip(probed.links, looks):
+        cells = iter(cells_of(look, step))
+        for mask in step["masks"]:
+            chunk_end = None if mask["slot"] is None else step["rows"][mask["rows"][-1]]["position"]
+            for r, visible in zip(mask["rows"], mask["visible"]):
+                for l, bit in enumerate(visible):
+                    where, _, row, _, (_, _, hatched, outline) = next(cells)
+                    position = None if r is None else step["rows"][r]["position"]
+                    mark = None if r is None else "leak" if bit == "1" and l > position else \
+                        "hole" if bit == "0" and l <= position else \
+                        "later" if bit == "0" and chunk_end is not None and l <= chunk_end else \
+                        "own" if l == position else None
+                    want = (OUTLINES.get(mark, "none"), mark == "later")
+                    assert (outline, hatched and bit == "0") == want, \
+                        f"{link}, mask {where[0]}, query {where[1]}, position {l} (a {bit}, the row at {position}): " \
+                        f"drawn outline {outline}, hatched {hatched}; a {mark} mark wants {want}"
+
+
+def test_every_mark_of_a_mask_is_where_its_bits_say(probed):
+    """The broken run's masks also hide positions 1 and 2: from a token there, its own position, from a
+    later one two earlier positions, in the one-token call and in chunks. At every step of the six runs each
+    cell carries the mark its bit and position call for (check_mask_marks). Planted: a hole at the own
+    position drawn as none; a hole drawn as the own position's outline."""
+    broken = next(run for run in probed.data["runs"] if run["name"] == "broken")
+    holes = {(mask["slot"] is None, l == step["rows"][r]["position"]) for step in broken["steps"]
+             for mask in step["masks"] for r, visible in zip(mask["rows"], mask["visible"]) if r is not None
+             for l, bit in enumerate(visible) if bit == "0" and l <= step["rows"][r]["position"]}
+    assert holes == {(True, True), (True, False), (False, True), (False, False)}, \
+        f"the broken run should hide its own position and an earlier one, in the one-token call and a chunk: {holes}"
+    assert any(mask["slot"] is not None and len(mask["rows"]) > 1 for run in probed.data["runs"] for step in run["steps"]
+               for mask in step["masks"]), "no chunk of several rows: no later token to hatch"
+    check_planted(check_mask_marks, probed, "a hole at its own position unmarked", "a hole outlined as its own position")
 
 
 def attributes(element):
