@@ -507,9 +507,10 @@ def matches_sequential(n_slots, policy="continuous", prefill_chunk=None, sampled
 
 
 @pytest.fixture(scope="module")
-def main_demo():
-    """The quick demo as main runs it, once: what it ran and what it printed."""
-    return demo()
+def main_demo(quick_demo):
+    """The quick demo as main runs it, once for the suite (tests/common.py's quick_demo, whose page the page's
+    tests read): what it ran and what it printed."""
+    return quick_demo.shown, quick_demo.printed
 
 
 def test_lab_commands_parse(monkeypatch):

@@ -23,7 +23,7 @@ import model as model_py
 import nanobatch
 from model import PackedStep
 from nanobatch import Request, generate
-from tests.common import MAX_LEN, REPO, hand_worked_requests, random_workload, tiny_gpt
+from tests.common import MAX_LEN, REPO, hand_worked_requests, random_workload, record_forwards, tiny_gpt
 import belt_svg  # noqa: E402 (tools/, put on the path by tests.common)
 import explore  # noqa: E402
 
@@ -117,33 +117,6 @@ RUNS = {  # name -> generate's options: chunks beside one-token rows; static's p
     "disaggregated": dict(n_slots=3, policy="continuous", prefill_chunk=None, disaggregate=True),
     "paged": dict(n_slots=3, policy="continuous", prefill_chunk=5, kv_blocks=5, kv_block_size=8),  # preempts
 }
-
-
-def on_host(packed):
-    """A PackedStep copied to the CPU now, so that what is compared is what the forward received."""
-    return PackedStep(packed.tokens.cpu().clone(), packed.positions.cpu().clone(), packed.slots.cpu().clone(),
-                      packed.n_one_token, packed.one_token_mask.cpu().clone(),
-                      [(rows, slot, mask.cpu().clone()) for rows, slot, mask in packed.chunks],
-                      packed.logit_rows.cpu().clone(),
-                      None if packed.block_tables is None else packed.block_tables.cpu().clone())
-
-
-FORWARD_PACKED = model_py.GPT.forward_packed  # the real one, before any test wraps it
-
-
-def record_forwards(monkeypatch):
-    """model.GPT.forward_packed, recording the PackedStep of every call made in the main thread -> that list."""
-    calls = []
-
-    def recording(self, step, cache):
-        # The loop's calls, not the worker's; and of those, the ones over tokens: a step with nothing to
-        # feed (every prompt at the prefill worker) runs its forward over none, and reports no packed step.
-        if threading.current_thread() is threading.main_thread() and len(step.tokens):
-            calls.append(on_host(step))
-        return FORWARD_PACKED(self, step, cache)
-
-    monkeypatch.setattr(model_py.GPT, "forward_packed", recording)
-    return calls
 
 
 def explored(monkeypatch, name):
@@ -338,15 +311,10 @@ def test_a_broken_mask_shows_in_the_page(explored_runs, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def quick_page(tmp_path_factory):
-    """tools/explore.py FILE --quick --quiet, its forwards recorded -> (the page's text, its data, calls, Shown)."""
-    path = tmp_path_factory.mktemp("explore") / "belt.html"
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        calls = record_forwards(monkeypatch)
-        shown = explore.main([str(path), "--quick", "--quiet"])
-    page = path.read_text()
-    data = json.loads(re.search(r'<script type="application/json" id="nanobatch-run">(.*?)</script>', page, re.S)[1])
-    return path, page, data, calls, shown
+def quick_page(quick_demo):
+    """tools/explore.py FILE --quick, its forwards recorded (tests/common.py's quick_demo, run once for the
+    suite: the labs read it too) -> (the page's path, its text, its data, calls, Shown)."""
+    return quick_demo.path, quick_demo.page, quick_demo.data, quick_demo.calls, quick_demo.shown
 
 
 def test_quick_page_data_are_the_forwards(quick_page):
@@ -392,6 +360,7 @@ function shownNow() {
           rows: [...document.querySelectorAll("#packed .row")].map((row) => [+row.dataset.slot, +row.dataset.position]),
           cells: [...document.querySelectorAll(".cell[data-visible]")].map((cell) => cell.dataset.visible).join(""),
           hash: location.hash, info: document.querySelector("#step-info").textContent,
+          packed: document.querySelector("#packed-title").textContent,
           titles: [...document.querySelectorAll("#packed .row")].map((row) => row.title),
           captions: [...document.querySelectorAll("#packed .caption")].map((caption) => caption.textContent),
           grids: [...document.querySelectorAll("#attention .grid")].map((grid) => [
@@ -413,12 +382,13 @@ FOLLOWED = ["run=Static&step=12", "run=static&step=abc", "run=static&step=100000
 
 @pytest.fixture(scope="module")
 def followed(quick_page, tmp_path_factory):
-    """The quick page opened once in headless Chromium at #run=static&step=5, FOLLOW_LINKS in it ->
-    (what it showed as opened, what it showed at each of FOLLOWED, the DOM at the end). One launch
-    for both tests below: a launch takes a second or more on two cores."""
+    """The quick page opened once in headless Chromium at #run=static&step=5, FOLLOW_LINKS in it, then
+    PRESS_KEYS -> (what it showed as opened, what it showed at each of FOLLOWED, the DOM at the end).
+    One launch for the three tests below: a launch takes a second or two on two cores."""
     _, page, _, _, _ = quick_page
     path = tmp_path_factory.mktemp("following") / "following.html"
-    path.write_text(page.replace("</body>", FOLLOW_LINKS.replace("LINKS", json.dumps(FOLLOWED))))
+    path.write_text(page.replace("</body>", FOLLOW_LINKS.replace("LINKS", json.dumps(FOLLOWED))
+                                 .replace("</body>", PRESS_KEYS)))
     dom = opened(path, "run={}&step={}".format(*OPENED_AT))
     shown = json.loads(html.unescape(re.search(r'data-followed="([^"]*)"', dom)[1]))
     return shown["loaded"], shown["followed"], dom
@@ -448,7 +418,7 @@ def test_deep_links_that_name_nothing_here_or_ask_a_question(quick_page, followe
     step that is not a number opens the first step, one past the end the last; &predict=1 opens the
     step as a question: no rows, no cells, no figure that follows from its packing, the link kept."""
     _, _, data, _, _ = quick_page
-    _, shown, dom = followed
+    _, shown, _ = followed
     steps = {run["name"]: run["steps"] for run in data["runs"]}
     wanted = [steps["continuous"][12], steps["static"][0], steps["static"][-1]]  # continuous: the first run
     for link, got, step in zip(FOLLOWED, shown, wanted):
@@ -458,11 +428,15 @@ def test_deep_links_that_name_nothing_here_or_ask_a_question(quick_page, followe
     assert shown[1]["notice"] == shown[2]["notice"] == ""
     question = shown[3]
     assert question["step"] == "12" and question["rows"] == [] and question["cells"] == ""
-    assert question["hash"] == "#run=continuous&step=12&predict=1" and "M = ? rows" in dom
+    assert question["hash"] == "#run=continuous&step=12&predict=1" and "M = ? rows" in question["packed"]
     assert "make a token" not in question["info"] and "prompt tokens" not in question["info"]
 
 
 PRESS_KEYS = """<script>
+// At continuous step 5, predict off, as a link typed into the address bar opens it (FOLLOW_LINKS, run
+// before this, left the page elsewhere), then keys pressed.
+history.replaceState(null, "", "#run=continuous&step=5");
+window.dispatchEvent(new HashChangeEvent("hashchange"));
 function press(key) { window.dispatchEvent(new KeyboardEvent("keydown", {key})); }
 function shown() {  // the rows drawn, the address, and whether a figure that follows from the packing shows
   const text = document.getElementById("step-info").textContent + document.getElementById("packed-title").textContent;
@@ -479,14 +453,12 @@ document.body.dataset.revealed = shown();
 </body>"""
 
 
-def test_predict_hides_the_next_step_until_revealed(quick_page, tmp_path):
+def test_predict_hides_the_next_step_until_revealed(quick_page, followed):
     """At continuous step 5, the key p (predict) hides step 5's packed rows and every figure that follows
     from them (M, the counts, prompt tokens spent, padding, dummies); the right arrow: step 6, as hidden,
     its address (predict kept) in the hash; Enter shows them all."""
-    _, page, data, _, _ = quick_page
-    pressed = tmp_path / "pressed.html"
-    pressed.write_text(page.replace("</body>", PRESS_KEYS))
-    dom = opened(pressed, "run=continuous&step=5")
+    _, _, data, _, _ = quick_page
+    _, _, dom = followed
     n_rows = len(next(step for step in data["runs"][0]["steps"] if step["step"] == 6)["rows"])
     assert 'data-asked="0 #run=continuous&amp;step=5&amp;predict=1 false"' in dom
     assert 'data-hidden="0 #run=continuous&amp;step=6&amp;predict=1 false"' in dom
@@ -732,6 +704,33 @@ PLANTED = {  # a defect: (the style or the script, the text as written, the text
         '    const held = during.length ? chips(during).join("") : "none";'),
 }
 
+# The run each defect is planted on: the probe runs a planted page's script over that run's links only (a
+# sixth of them, so that its defects cost what the page as written does), one where the defect shows.
+PLANTED_ON = {
+    "the shown step's index": "continuous", "the index in the address": "continuous",  # the clock jumps there
+    "a 1 painted as a 0": "continuous", "cells painted from positions": "broken", "its own position marked": "broken",
+    "no marks in the one-token call": "broken", "no marks in a chunk": "broken",
+    "a hole at its own position unmarked": "broken", "a hole outlined as its own position": "broken",
+    "the frame at the index": "continuous", "the queue before admission": "continuous",
+    "the worker's prompts during the step": "disaggregated", "blocks waited for beside a slot phase 3 freed": "paged",
+    "block tables shifted by one": "paged", "fill from kv_used": "paged", "fill from the table's start": "paged",
+    "writes into the table's first block": "paged", "empty painted as held": "paged",
+    "one holder per block": "prefix cache", "shared painted in one colour": "prefix cache",
+    "kept painted as held": "prefix cache", "free counted in requests": "paged",
+    "free counted in table entries": "prefix cache", "freed from this step's tables": "paged",
+    "preemptions left out of the line": "paged", "kept drawn as free": "prefix cache",
+    "kept from the step before": "prefix cache", "hits taken for evictions": "prefix cache",
+    "evictions against this step's kept": "prefix cache", "found left out of the events": "prefix cache",
+    "found left out of the captions": "prefix cache", "found blocks from the table's end": "prefix cache",
+    "an answer's first token a prompt token": "continuous", "every row sampled": "static",
+    "a block's positions one past its end": "paged", "a block's positions from its number": "paged",
+    "a block's tokens from its number": "paged", "the one-token call's S from its L": "static",
+    "a chunk's L from its rows": "prefix cache", "every query a dummy": "static",
+    "a slot's fill from kv_used": "continuous", "the tab's policy the first run's": "static",
+    "the step count from the step's number": "continuous", "a whole prompt one to go": "continuous",
+}
+QUESTIONS = ["run=paged&step=4&predict=1", "run=prefix cache&step=4&predict=1", "run=paged&step=5&predict=1"]
+
 # The defects whose checks read the colours painted (check_cells, check_marks, check_mask_marks,
 # check_cache_cells): the
 # probe reads each cell's computed style for these only (a style read per cell, in 43 runs of the page's
@@ -744,7 +743,7 @@ PAINTED = {"a 1 painted as a 0", "cells painted from positions", "its own positi
            "one holder per block", "shared painted in one colour", "kept painted as held"}
 
 PROBE = """<script>
-const LINKS = __LINKS__, VARIANTS = __VARIANTS__, PAINTED = __PAINTED__;  // filled in by the fixture below
+const VARIANTS = __VARIANTS__, PAINTED = __PAINTED__;  // filled in by the fixture below
 let measure = true;  // read the cache's widths too: a layout each link, so only for the page as written
 let paint = true;  // read each cell's colours: for the page as written and the defects in PAINTED only
 // The probe: at each link, what the page drew: the step shown, the address, the frames' x, each part
@@ -800,10 +799,10 @@ const painted = (background) => {
 const colours = requests.map((request) => painted(request.colour));
 const pale = requests.map((request) => painted(`color-mix(in srgb, ${request.colour} 30%, white)`));
 // Each variant's style and script (the page's, or with a defect planted): the script run again in a
-// function of its own, then each link followed as the page follows one (fromHash, then go). Its
+// function of its own, then each of its links followed as the page follows one (fromHash, then go). Its
 // address bar is an object of its own: Chrome throttles history.replaceState, called here hundreds of times.
 const looked = {};
-for (const [name, [style, script]] of Object.entries(VARIANTS)) {
+for (const [name, [style, script, links]] of Object.entries(VARIANTS)) {
   document.querySelector("style").textContent = style;
   measure = name === "as written";
   paint = measure || PAINTED.includes(name);
@@ -811,7 +810,7 @@ for (const [name, [style, script]] of Object.entries(VARIANTS)) {
   try {
     looked[name] = new Function("LINKS", "look", "location", "history", script + `
       return LINKS.map((link) => { location.hash = "#" + link; go(...fromHash()); return look(location.hash); });`
-    )(LINKS, look, address, history);
+    )(links, look, address, history);
   } catch (error) {
     looked[name] = String(error);
   }
@@ -868,37 +867,44 @@ def by_hand():
 
 @pytest.fixture(scope="module")
 def probed(by_hand, tmp_path_factory):
-    """by_hand's page, opened once in Chromium with the probe -> by_hand with more: the links followed,
-    the colour the browser paints each request in, and {variant: what it drew at each link}."""
+    """by_hand's page, opened once in Chromium, QUESTIONS followed in it (FOLLOW_LINKS), then the probe ->
+    by_hand with more: the links followed, the colour the browser paints each request in, {variant: what
+    it drew at each of its links: every link as written, a planted defect's run's (PLANTED_ON)}, and what
+    the page showed at each of QUESTIONS. One launch of Chromium for every test of the page below."""
     page, links = by_hand.page, probe_links(by_hand.data)
-    variants = {"as written": [page_style(page), page_script(page)]}
+    variants = {"as written": [page_style(page), page_script(page), [link for link, _, _ in links]]}
+    assert set(PLANTED_ON) == set(PLANTED), set(PLANTED) ^ set(PLANTED_ON)
     for name, (where, written, planted) in PLANTED.items():
-        style, script = variants["as written"]
+        style, script, _ = variants["as written"]
         assert (style if where == "style" else script).count(written) == 1, f"{name}: {written!r} is not in the page"
         variants[name] = [style.replace(written, planted), script] if where == "style" else \
             [style, script.replace(written, planted)]
-    probe = PROBE.replace("__LINKS__", json.dumps([link for link, _, _ in links]))
-    probe = probe.replace("__VARIANTS__", json.dumps(variants).replace("<", "\\u003c"))  # no "</script>" in it
+        variants[name].append([link for link, run, _ in links if run["name"] == PLANTED_ON[name]])
+    probe = PROBE.replace("__VARIANTS__", json.dumps(variants).replace("<", "\\u003c"))  # no "</script>" in it
     assert PAINTED <= set(PLANTED), PAINTED - set(PLANTED)
     probe = probe.replace("__PAINTED__", json.dumps(sorted(PAINTED)))
     path = tmp_path_factory.mktemp("probe") / "probed.html"
-    path.write_text(page.replace("</body>", probe))
+    path.write_text(page.replace("</body>", FOLLOW_LINKS.replace("LINKS", json.dumps(QUESTIONS)).replace("</body>", probe)))
     dom = opened(path, "")
     dumped = json.loads(html.unescape(re.search(r'data-looked="([^"]*)"', dom)[1]))
     for name, looks in dumped["looked"].items():
         assert isinstance(looks, list), f"the page's script, {name}, did not run: {looks}"
+    followed = json.loads(html.unescape(re.search(r'data-followed="([^"]*)"', dom)[1]))["followed"]
     return SimpleNamespace(**vars(by_hand), links=links, colours=dumped["colours"], pale=dumped["pale"],
-                           looked=dumped["looked"])
+                           looked=dumped["looked"], followed=followed)
 
 
 def check_planted(check, probed, *defects):
-    """check passes on the page as written, and fails (an AssertionError) on each of the defects planted."""
+    """check passes on the page as written, at every link, and fails (an AssertionError) on each of the
+    defects planted, at the links of the run it is planted on (PLANTED_ON)."""
     check(probed, probed.looked["as written"])
     for defect in defects:  # a check of colours fails on a defect whose colours were not read: not its teeth
         assert defect in PAINTED or check not in (check_cells, check_marks, check_mask_marks, check_cache_cells), \
             f"{defect}: add it to PAINTED, so that the probe reads its colours"
+        planted_on = SimpleNamespace(**{**vars(probed), "links": [(link, run, step) for link, run, step in probed.links
+                                                                  if run["name"] == PLANTED_ON[defect]]})
         try:
-            check(probed, probed.looked[defect])
+            check(planted_on, probed.looked[defect])
         except AssertionError:
             continue
         pytest.fail(f"{check.__name__} passed with a defect planted: {defect}")
@@ -1407,14 +1413,11 @@ def test_found_positions_show_in_the_events_and_the_cache(probed):
         [(1, 5, 4), (2, 7, 2), (3, 10, 2), (5, 11, 2)]
 
 
-def test_the_question_does_not_give_its_preemption_away(by_hand, tmp_path):
+def test_the_question_does_not_give_its_preemption_away(probed):
     """With predict on, step 4 of the paged runs worked by hand shows the queue as admission left it, C
-    alone: not B, whom phase 3 preempts, at its head, where the step's report has it."""
-    links = ["run=paged&step=4&predict=1", "run=prefix cache&step=4&predict=1", "run=paged&step=5&predict=1"]
-    following = tmp_path / "following.html"
-    following.write_text(by_hand.page.replace("</body>", FOLLOW_LINKS.replace("LINKS", json.dumps(links))))
-    dom = opened(following, "")
-    followed = json.loads(html.unescape(re.search(r'data-followed="([^"]*)"', dom)[1]))["followed"]
+    alone: not B, whom phase 3 preempts, at its head, where the step's report has it (QUESTIONS, followed
+    in the probe's launch)."""
+    followed = probed.followed
     assert [(got["step"], got["rows"]) for got in followed] == [("4", []), ("4", []), ("5", [])]
     queues = [re.search(r"queue: [^)]*?(?=phases)", got["info"])[0] for got in followed]
     assert queues == ["queue: 1 waiting C", "queue: 1 waiting C", "queue: 1 waiting C for blocks, a slot free"], queues
