@@ -24,6 +24,7 @@ import nanobatch
 from model import PackedStep
 from nanobatch import Request, generate
 from tests.common import MAX_LEN, REPO, hand_worked_requests, random_workload, record_forwards, tiny_gpt
+from tests.test_schedule import RUNS as SCHEDULED
 import belt_svg  # noqa: E402 (tools/, put on the path by tests.common)
 import explore  # noqa: E402
 
@@ -1273,7 +1274,8 @@ def check_preemptions(probed, looks):
             blocks = f"its block{'' if len(table) == 1 else 's'} {', '.join(map(str, table))}" if table else \
                 "no block yet"
             assert f"!{nanobatch.letter(i)}{blocks}" in look["preemption"], f"{link}: {look['preemption']!r}"
-        assert bool(look["preemption"]) == bool(reports[index].preempted), link
+        n = len(reports[index].preempted)
+        assert look["preemption"].startswith(f"phase 3 {n} preempted") if n else look["preemption"] == "", link
         assert {block["block"]: block["freed"] for block in look["blocks"] if block["freed"]} == freed, link
 
 
@@ -1292,6 +1294,51 @@ def test_a_preemption_shows_in_the_line_and_the_cache(probed):
             in " ".join(looks[f"run={name}&step=5"]["captions"]), name
     assert "!Bits blocks 2, 3, 5 (kept: 2, 3)" in looks["run=prefix cache&step=4"]["preemption"]
     check_planted(check_preemptions, probed, "freed from this step's tables", "preemptions left out of the line")
+
+
+@pytest.fixture(scope="module")
+def crowded(tmp_path_factory):
+    """A run no hand worked: tests/test_schedule.py's paged run in which two requests are preempted in
+    one step, twice, one of them holding no block yet, and come back; its page opened in Chromium with the
+    probe, the page as written only, at each step around a preemption or a comeback (the step before it,
+    it, the step after) -> a namespace as probed's."""
+    requests, options, _ = SCHEDULED["paged, several preempted in a step, one with no block yet"]
+    reports = []
+    completions = generate(tiny_gpt(), requests, max_len=MAX_LEN, eos_id=None, on_step=reports.append, **options)
+    name = "crowded"
+    run = (name, options["n_slots"], "continuous", options["prefill_chunk"], False, options["kv_blocks"], False)
+    shown = nanobatch.Shown(requests, [run], {name: completions},
+                            {name: nanobatch.summarize(requests, completions, reports, 1.0)}, {name: reports}, None)
+    page = explore.page_html(shown)
+    data = json.loads(re.search(r'<script type="application/json" id="nanobatch-run">(.*?)</script>', page, re.S)[1])
+    comebacks = {i for r in reports for i in r.preempted}
+    around = {k + d for k, r in enumerate(reports) if r.preempted or set(r.admitted) & comebacks for d in (-1, 0, 1)}
+    steps = data["runs"][0]["steps"]
+    links = [(f"run={name}&step={steps[k]['step']}", data["runs"][0], steps[k]) for k in sorted(around)
+             if 0 <= k < len(steps)]
+    variants = {"as written": [page_style(page), page_script(page), [link for link, _, _ in links]]}
+    probe = PROBE.replace("__VARIANTS__", json.dumps(variants).replace("<", "\\u003c")).replace("__PAINTED__", "[]")
+    path = tmp_path_factory.mktemp("crowded") / "crowded.html"
+    path.write_text(page.replace("</body>", probe))
+    dumped = json.loads(html.unescape(re.search(r'data-looked="([^"]*)"', opened(path, ""))[1]))
+    assert isinstance(dumped["looked"]["as written"], list), dumped["looked"]["as written"]
+    return SimpleNamespace(shown=shown, page=page, data=data, evicted={name: {}}, links=links,
+                           colours=dumped["colours"], pale=dumped["pale"], looked=dumped["looked"])
+
+
+def test_a_crowded_run_as_drawn(crowded):
+    """Where two requests are preempted in one step (one with no block yet), the step's line names both,
+    the cache's line says two gave way, the latest first, each with the blocks its table listed, all of
+    them outlined; and everything else drawn there (every check above that reads no planted page: the
+    steps shown, the cells and their marks, the cache's cells and figures, the queue, every text and
+    title) is the reports'."""
+    looks = crowded.looked["as written"]
+    several = [look["preemption"] for look in looks if look["preemption"].startswith("phase 3 2 preempted")]
+    assert several and all("the latest first" in line for line in several) and \
+        any("no block yet" in line for line in several), several
+    for check in (check_preemptions, check_deep_links, check_cells, check_marks, check_mask_marks, check_cache_cells,
+                  check_cache_figures, check_prefix_cache, check_queue_and_worker, check_frames, check_texts):
+        check(crowded, looks)
 
 
 def report_size(run, report):
