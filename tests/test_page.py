@@ -11,8 +11,8 @@ import json
 import re
 import shutil
 import subprocess
-import threading
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from decimal import ROUND_HALF_UP, Decimal
 from types import SimpleNamespace
 
@@ -21,7 +21,6 @@ import torch
 
 import model as model_py
 import nanobatch
-from model import PackedStep
 from nanobatch import Request, generate
 from tests.common import MAX_LEN, REPO, hand_worked_requests, random_workload, record_forwards, tiny_gpt
 from tests.test_schedule import RUNS as SCHEDULED
@@ -381,16 +380,34 @@ OPENED_AT = ("static", 5)  # a step with padding, dummy queries, and a chunk tha
 FOLLOWED = ["run=Static&step=12", "run=static&step=abc", "run=static&step=100000", "run=continuous&step=12&predict=1"]
 
 
-@pytest.fixture(scope="module")
-def followed(quick_page, tmp_path_factory):
-    """The quick page opened once in headless Chromium at #run=static&step=5, FOLLOW_LINKS in it, then
-    PRESS_KEYS -> (what it showed as opened, what it showed at each of FOLLOWED, the DOM at the end).
-    One launch for the three tests below: a launch takes a second or two on two cores."""
+def following_page(quick_page, folder):
+    """The quick page with FOLLOW_LINKS in it, then PRESS_KEYS -> (its file, the link to open it at)."""
     _, page, _, _, _ = quick_page
-    path = tmp_path_factory.mktemp("following") / "following.html"
+    path = folder / "following.html"
     path.write_text(page.replace("</body>", FOLLOW_LINKS.replace("LINKS", json.dumps(FOLLOWED))
                                  .replace("</body>", PRESS_KEYS)))
-    dom = opened(path, "run={}&step={}".format(*OPENED_AT))
+    return path, "run={}&step={}".format(*OPENED_AT)
+
+
+@pytest.fixture(scope="module")
+def launched(quick_page, by_hand, crowded_run, tmp_path_factory):
+    """The three pages the tests below open in Chromium (following_page, probed_page, crowded_page),
+    written, then opened all at once, a Chromium each -> {page: a Future of its DOM}. A launch mostly
+    waits, a second or two on two cores: three at once take hardly longer than one."""
+    folder = tmp_path_factory.mktemp("pages")
+    pages = {"following": following_page(quick_page, folder), "probed": probed_page(by_hand, folder),
+             "crowded": crowded_page(crowded_run, folder)}
+    launches = ThreadPoolExecutor(len(pages), thread_name_prefix="chromium")
+    opening = {name: launches.submit(opened, path, link) for name, (path, link) in pages.items()}
+    launches.shutdown(wait=False)  # each test waits for its own page, and the next tests run meanwhile
+    return opening
+
+
+@pytest.fixture(scope="module")
+def followed(launched):
+    """The quick page opened in headless Chromium at #run=static&step=5, FOLLOW_LINKS in it, then
+    PRESS_KEYS -> (what it showed as opened, what it showed at each of FOLLOWED, the DOM at the end)."""
+    dom = launched["following"].result()
     shown = json.loads(html.unescape(re.search(r'data-followed="([^"]*)"', dom)[1]))
     return shown["loaded"], shown["followed"], dom
 
@@ -866,12 +883,9 @@ def by_hand():
     return SimpleNamespace(shown=shown, page=page, data=data, evicted=evicted)
 
 
-@pytest.fixture(scope="module")
-def probed(by_hand, tmp_path_factory):
-    """by_hand's page, opened once in Chromium, QUESTIONS followed in it (FOLLOW_LINKS), then the probe ->
-    by_hand with more: the links followed, the colour the browser paints each request in, {variant: what
-    it drew at each of its links: every link as written, a planted defect's run's (PLANTED_ON)}, and what
-    the page showed at each of QUESTIONS. One launch of Chromium for every test of the page below."""
+def probed_page(by_hand, folder):
+    """by_hand's page, QUESTIONS followed in it (FOLLOW_LINKS), then the probe, its variants filled in ->
+    (its file, the link to open it at)."""
     page, links = by_hand.page, probe_links(by_hand.data)
     variants = {"as written": [page_style(page), page_script(page), [link for link, _, _ in links]]}
     assert set(PLANTED_ON) == set(PLANTED), set(PLANTED) ^ set(PLANTED_ON)
@@ -884,15 +898,24 @@ def probed(by_hand, tmp_path_factory):
     probe = PROBE.replace("__VARIANTS__", json.dumps(variants).replace("<", "\\u003c"))  # no "</script>" in it
     assert PAINTED <= set(PLANTED), PAINTED - set(PLANTED)
     probe = probe.replace("__PAINTED__", json.dumps(sorted(PAINTED)))
-    path = tmp_path_factory.mktemp("probe") / "probed.html"
+    path = folder / "probed.html"
     path.write_text(page.replace("</body>", FOLLOW_LINKS.replace("LINKS", json.dumps(QUESTIONS)).replace("</body>", probe)))
-    dom = opened(path, "")
+    return path, ""
+
+
+@pytest.fixture(scope="module")
+def probed(by_hand, launched):
+    """by_hand's page, opened in Chromium, QUESTIONS followed in it (FOLLOW_LINKS), then the probe ->
+    by_hand with more: the links followed, the colour the browser paints each request in, {variant: what
+    it drew at each of its links: every link as written, a planted defect's run's (PLANTED_ON)}, and what
+    the page showed at each of QUESTIONS."""
+    dom = launched["probed"].result()
     dumped = json.loads(html.unescape(re.search(r'data-looked="([^"]*)"', dom)[1]))
     for name, looks in dumped["looked"].items():
         assert isinstance(looks, list), f"the page's script, {name}, did not run: {looks}"
     followed = json.loads(html.unescape(re.search(r'data-followed="([^"]*)"', dom)[1]))["followed"]
-    return SimpleNamespace(**vars(by_hand), links=links, colours=dumped["colours"], pale=dumped["pale"],
-                           looked=dumped["looked"], followed=followed)
+    return SimpleNamespace(**vars(by_hand), links=probe_links(by_hand.data), colours=dumped["colours"],
+                           pale=dumped["pale"], looked=dumped["looked"], followed=followed)
 
 
 def check_planted(check, probed, *defects):
@@ -1297,11 +1320,10 @@ def test_a_preemption_shows_in_the_line_and_the_cache(probed):
 
 
 @pytest.fixture(scope="module")
-def crowded(tmp_path_factory):
+def crowded_run():
     """A run no hand worked: tests/test_schedule.py's paged run in which two requests are preempted in
-    one step, twice, one of them holding no block yet, and come back; its page opened in Chromium with the
-    probe, the page as written only, at each step around a preemption or a comeback (the step before it,
-    it, the step after) -> a namespace as probed's."""
+    one step, twice, one of them holding no block yet, and come back -> a namespace: shown, page, data,
+    and the links to each step around a preemption or a comeback (the step before it, it, the step after)."""
     requests, options, _ = SCHEDULED["paged, several preempted in a step, one with no block yet"]
     reports = []
     completions = generate(tiny_gpt(), requests, max_len=MAX_LEN, eos_id=None, on_step=reports.append, **options)
@@ -1316,14 +1338,25 @@ def crowded(tmp_path_factory):
     steps = data["runs"][0]["steps"]
     links = [(f"run={name}&step={steps[k]['step']}", data["runs"][0], steps[k]) for k in sorted(around)
              if 0 <= k < len(steps)]
-    variants = {"as written": [page_style(page), page_script(page), [link for link, _, _ in links]]}
+    return SimpleNamespace(shown=shown, page=page, data=data, evicted={name: {}}, links=links)
+
+
+def crowded_page(crowded_run, folder):
+    """crowded_run's page with the probe, the page as written only, at its links -> (its file, the link)."""
+    page = crowded_run.page
+    variants = {"as written": [page_style(page), page_script(page), [link for link, _, _ in crowded_run.links]]}
     probe = PROBE.replace("__VARIANTS__", json.dumps(variants).replace("<", "\\u003c")).replace("__PAINTED__", "[]")
-    path = tmp_path_factory.mktemp("crowded") / "crowded.html"
+    path = folder / "crowded.html"
     path.write_text(page.replace("</body>", probe))
-    dumped = json.loads(html.unescape(re.search(r'data-looked="([^"]*)"', opened(path, ""))[1]))
+    return path, ""
+
+
+@pytest.fixture(scope="module")
+def crowded(crowded_run, launched):
+    """crowded_run's page opened in Chromium with the probe -> a namespace as probed's."""
+    dumped = json.loads(html.unescape(re.search(r'data-looked="([^"]*)"', launched["crowded"].result())[1]))
     assert isinstance(dumped["looked"]["as written"], list), dumped["looked"]["as written"]
-    return SimpleNamespace(shown=shown, page=page, data=data, evicted={name: {}}, links=links,
-                           colours=dumped["colours"], pale=dumped["pale"], looked=dumped["looked"])
+    return SimpleNamespace(**vars(crowded_run), colours=dumped["colours"], pale=dumped["pale"], looked=dumped["looked"])
 
 
 def test_a_crowded_run_as_drawn(crowded):

@@ -19,7 +19,7 @@ import pytest
 
 import nanobatch
 from nanobatch import Request, generate
-from tests.common import V, random_prompt
+from tests.common import random_prompt
 
 ROOM = 3  # tokens of growth admission keeps free for each request (nanobatch.ROOM_TO_GROW, restated)
 
