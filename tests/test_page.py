@@ -539,7 +539,7 @@ def undrawn(data, script):
     steps = [step for run in runs for step in run["steps"]]
     dicts = [data, *runs, *(request for run in runs for request in run["requests"]), *steps,
              *(row for step in steps for row in step["rows"]), *(mask for step in steps for mask in step["masks"])]
-    return sorted({key for d in dicts for key in d if not re.search(rf"\.{key}\b", script)})
+    return sorted(key for key in {key for d in dicts for key in d} if not re.search(rf"\.{key}\b", script))
 
 
 def test_every_field_of_the_data_is_drawn(quick_page):
