@@ -97,7 +97,6 @@ class Simulator:
         self.kept = []  # free blocks known by a prefix, released longest ago first
         self.known = {}  # prefix -> the block known by it
         self.on_belt = []  # in order of their latest admission
-        self.n_evicted = 0
 
     def blocks_short(self, seat, n_positions):
         return max(0, math.ceil(n_positions / self.size) - len(seat.blocks))
@@ -127,7 +126,6 @@ class Simulator:
         else:
             evicted = self.kept.pop(0)
             del self.known[evicted.prefix]
-            self.n_evicted += 1
         return Block(1, None, step)
 
     def leave(self, seat, belt):
@@ -176,10 +174,12 @@ class Simulator:
         arriving = deque(sorted(self.seats, key=lambda s: (s.arrival, s.i)))
         waiting, belt, step, steps, done = deque(), [None] * self.n_slots, 0, [], {}
         while arriving or waiting or any(belt):
+            # 1) Arrivals join the queue; with nobody anywhere, the clock jumps to the next.
             if not waiting and not any(belt):
                 step = max(step, arriving[0].arrival)
             while arriving and arriving[0].arrival <= step:
                 waiting.append(arriving.popleft())
+            # 2) The free slots, lowest first, take the head of the queue while there is room.
             admitted = []
             free = [slot for slot in range(self.n_slots) if belt[slot] is None]
             if self.policy == "static" and len(free) < self.n_slots:
@@ -192,6 +192,7 @@ class Simulator:
                 seat.first_admitted = step if seat.first_admitted is None else seat.first_admitted
                 self.on_belt.append(seat)
                 admitted.append(seat)
+            # 3) The step's feeds; paged, the last admitted gives way while blocks run short.
             feeds, preempted = self.plan(belt), []
             while self.paged and sum(self.blocks_short(s, s.n_cached + n) for s, n in feeds) > self.n_free():
                 assert len(self.on_belt) > 1, f"step {step}: the first admitted would give way"
@@ -203,6 +204,7 @@ class Simulator:
             for s, n in feeds:
                 if self.paged:
                     s.blocks += [self.take(step) for _ in range(self.blocks_short(s, s.n_cached + n))]
+            # 4) The forward: who makes a token, and who is done.
             n_prompt_tokens = sum(n for s, n in feeds if s.prefilling)
             making = [s for s, n in feeds if n == s.to_feed]
             for s, n in feeds:
@@ -216,6 +218,7 @@ class Simulator:
                     done[s.i] = dict(admit_step=s.first_admitted, first_token_step=s.first_token_step,
                                      finish_step=step, slot=s.slot, n_tokens=s.n_made,
                                      reason="length" if s.n_made == s.max_new else "context")
+            # The step's report, as the engine's must read; then the finished leave.
             n_padding = self.n_slots - sum(s is not None for s in belt) if self.policy == "static" else 0
             steps.append(dict(
                 step=step, admitted=[s.i for s in admitted], preempted=preempted,
