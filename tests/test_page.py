@@ -346,8 +346,9 @@ def opened(path, link):
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.skip("no Chromium here to open the page in (Debian: apt-get install chromium)")
+    # Within 120 s: the probe, three launches at once on two cores shared with other work, took 23 s once.
     return subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
-                           f"{path.as_uri()}#{link}"], capture_output=True, text=True, timeout=30, check=True).stdout
+                           f"{path.as_uri()}#{link}"], capture_output=True, text=True, timeout=120, check=True).stdout
 
 
 FOLLOW_LINKS = """<script>
