@@ -1,11 +1,15 @@
 """
 What every test file shares, in one place: the tiny seeded models and their fixtures, the `offline`
-fixture, seeded workloads and the six requests worked by hand, the helpers that compare answers and
-print the worst difference, and the guard that keeps a hung prefill worker from hanging the suite.
+fixture, the quick demo run once for the suite (the labs and the page's tests read it), seeded
+workloads and the six requests worked by hand, the helpers that compare answers and print the worst
+difference, and the guard that keeps a hung prefill worker from hanging the suite.
 test_nanobatch.py (the proof) and each file of tests/ import the helpers they use (`from tests.common
 import ...`); the fixtures reach every test through conftest.py, `offline` (autouse) among them, so
 that no test touches the network.
 """
+import contextlib
+import gc
+import io
 import math
 import random
 import sys
@@ -13,11 +17,13 @@ import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from model import GPT, GPTConfig
+import model as model_py
+from model import GPT, GPTConfig, PackedStep
 from nanobatch import Request
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,6 +40,13 @@ DEVICES = ["cpu", "cuda"] if HAS_CUDA else ["cpu"]  # CUDA cases are collected o
 # anything else two threads made the suite several times slower (measured: 19 engine tests took
 # 85-125 s, not 10-11 s). The tests of the prefill worker's thread split ask for 3 threads themselves.
 torch.set_num_threads(1)
+# The objects made so far (torch's, numpy's, pytest's: some 180,000) are never garbage: frozen, Python's
+# collector skips them, and each full collection, which the suite's runs set off a dozen times, walks
+# the suite's own objects only; and it collects after 50,000 new objects, not 700, so that the runs'
+# short-lived ones are gone before it looks (measured on two shared cores: 3.7 s in the collector
+# became 1.6 frozen, and 0.5 with the threshold too).
+gc.freeze()
+gc.set_threshold(50_000, 20, 10)
 
 
 def tiny_gpt(device="cpu", dtype=torch.float64, seed=0, **sizes):
@@ -82,6 +95,54 @@ def offline(monkeypatch):
     monkeypatch.setattr(urllib.request, "urlopen", urlopen)
 
 
+# The quick demo, run once for the whole suite: the labs read what it ran and printed, the page's tests
+# the page it wrote and the forwards it ran (a run of it takes a second or more).
+
+def on_host(packed):
+    """A PackedStep copied to the CPU now, so that what is compared is what the forward received."""
+    return PackedStep(packed.tokens.cpu().clone(), packed.positions.cpu().clone(), packed.slots.cpu().clone(),
+                      packed.n_one_token, packed.one_token_mask.cpu().clone(),
+                      [(rows, slot, mask.cpu().clone()) for rows, slot, mask in packed.chunks],
+                      packed.logit_rows.cpu().clone(),
+                      None if packed.block_tables is None else packed.block_tables.cpu().clone())
+
+
+FORWARD_PACKED = model_py.GPT.forward_packed  # the real one, before any test wraps it
+
+
+def record_forwards(monkeypatch):
+    """model.GPT.forward_packed, recording the PackedStep of every call made in the main thread -> that list."""
+    calls = []
+
+    def recording(self, step, cache):
+        # The loop's calls, not the worker's; and of those, the ones over tokens: a step with nothing to
+        # feed (every prompt at the prefill worker) runs its forward over none, and reports no packed step.
+        if threading.current_thread() is threading.main_thread() and len(step.tokens):
+            calls.append(on_host(step))
+        return FORWARD_PACKED(self, step, cache)
+
+    monkeypatch.setattr(model_py.GPT, "forward_packed", recording)
+    return calls
+
+
+@pytest.fixture(scope="session")
+def quick_demo(tmp_path_factory):
+    """`python tools/explore.py FILE --quick`, once: the quick demo (continuous, then static), run and printed
+    as `python nanobatch.py --demo --quick` runs and prints it, its page written, its loop's forwards recorded
+    -> a namespace: path, page (its text), data (the page's, parsed back), calls, shown (nanobatch.Shown),
+    printed (its output, the belt and the table, then the line naming the page)."""
+    import json
+    import re
+    import explore  # tools/, put on the path above
+    path = tmp_path_factory.mktemp("explore") / "belt.html"
+    with pytest.MonkeyPatch.context() as monkeypatch, contextlib.redirect_stdout(io.StringIO()) as printed:
+        calls = record_forwards(monkeypatch)
+        shown = explore.main([str(path), "--quick"])
+    page = path.read_text()
+    data = json.loads(re.search(r'<script type="application/json" id="nanobatch-run">(.*?)</script>', page, re.S)[1])
+    return SimpleNamespace(path=path, page=page, data=data, calls=calls, shown=shown, printed=printed.getvalue())
+
+
 def random_prompt(rng, n_tokens):
     return [rng.randrange(V) for _ in range(n_tokens)]
 
@@ -99,7 +160,11 @@ def first_difference(got, want):
 def worst(got, want):
     """The largest absolute difference and where it is: what a failed closeness check should print."""
     diff = (got - want).abs().nan_to_num(nan=math.inf)  # a NaN is the worst difference of all
-    where = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+    # The flat index unravelled by hand: torch.unravel_index's first call imports sympy, 1.4 s.
+    flat, where = int(diff.argmax()), ()
+    for size in reversed(diff.shape):
+        flat, index = divmod(flat, size)
+        where = (index,) + where
     return f"max |got - want| = {diff.max().item():.3g} at {where}: got {got[where]}, want {want[where]}"
 
 

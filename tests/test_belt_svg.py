@@ -14,6 +14,7 @@ import torch
 import nanobatch
 from nanobatch import generate
 from tests.common import MAX_LEN, random_workload, tiny_gpt
+from tests.test_schedule import RUNS, corners, served
 from tests.test_figures import SCHEDULE, SERVED  # the schedule worked by hand, whose step times bench reads
 import belt_svg  # noqa: E402 (tools/, put on the path by tests.common)
 import bench  # noqa: E402
@@ -250,6 +251,42 @@ def test_belt_svg_of_a_prefix_cache_run_is_its_reports():
     assert tips and all("found in the prefix cache, not fed again" in tip for tip in tips), tips
     texts = [t.text or "" for t in ET.fromstring(svg).iter(f"{SVG}text")]
     assert any(text.startswith("found: its admission found positions") for text in texts), "no legend for the mark"
+
+
+def test_belt_svg_of_several_preemptions_in_one_step(gpt):
+    """A real paged run in which two requests are preempted in the same step, twice, one of them (its
+    prompt waiting for the budget) holding no block yet and so all hatched: every cell is its recorded
+    occupant, and each preempted stay, both of a step's, ends in its edge at the end of its bar, its
+    tooltip naming the step; no other stay says it was preempted."""
+    requests, options, _ = RUNS["paged, several preempted in a step, one with no block yet"]
+    _, reports = served(gpt, requests, max_len=MAX_LEN, **options)
+    several = [report for report in reports if len(report.preempted) >= 2]
+    assert len(several) >= 2 and "a request with no block yet preempted" in corners(reports, options["kv_block_size"])
+    svg = belt_svg.belt_svg([("paged", options["n_slots"], reports, headline(len(reports)), None)])
+    check_against_reports(svg, reports)
+    root = ET.fromstring(svg)
+    edges = {(int(e.get("data-request")), int(e.get("data-step"))): e for e in root.iter(f"{SVG}rect")
+             if e.get("class") == "preempted"}
+    stays = [g for g in root.iter(f"{SVG}g") if g.find(f"{SVG}rect") is not None
+             and g.find(f"{SVG}rect").get("class") == "stay"]
+    preempted_at = {}  # (request, the last step of the stay that the preemption ended) -> the step preempting it
+    for before, report in zip(reports, reports[1:]):
+        for i in report.preempted:
+            assert i in before.occupants, f"step {report.step}: {i} preempted from no slot"
+            preempted_at[i, before.step] = report.step
+    for g in stays:
+        bar, tip = g.find(f"{SVG}rect"), g.find(f"{SVG}title").text
+        i, last = int(bar.get("data-request")), int(bar.get("data-last"))
+        if (i, last) not in preempted_at:
+            assert "preempted" not in tip, tip
+            continue
+        step = preempted_at.pop((i, last))
+        assert tip.endswith(f"; preempted at step {step}: its blocks freed, back to the head of the queue"), tip
+        edge = edges.pop((i, step))
+        assert (edge.get("y"), edge.get("fill")) == (bar.get("y"), belt_svg.PREEMPTED_COLOUR)
+        assert float(edge.get("x")) + float(edge.get("width")) == \
+            pytest.approx(float(bar.get("x")) + float(bar.get("width")), abs=0.02), f"{i}'s edge off its bar's end"
+    assert preempted_at == {} and edges == {}, f"preemptions without a stay {preempted_at}, edges without one {edges}"
 
 
 def test_belt_svg_64_slots_300_steps():

@@ -4,9 +4,14 @@ said in one line, a broken loop's traceback kept, a closed pipe and Ctrl-C; and 
 dry run on the CPU.
 """
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -49,11 +54,83 @@ def start_cli(tmp_path, *args):
                             preexec_fn=None if sys.platform == "win32" else default_ctrl_c)
 
 
-def test_cli_demo_quick(tmp_path):
+# Three tests below run a command as a user does, each in a process of its own that imports torch first
+# (2 s of CPU). Their processes start as the session's first test does (tests/conftest.py starts those of
+# the tests selected), beside the tests that run in this process: on two cores, with the other core idle
+# or busy, the suite ends sooner for it. A thread each talks to its process as a terminal would, and each
+# test waits for its own, then checks what came back.
+
+
+def demo_to_svg(folder):
+    """`python tools/belt_svg.py FILE --quick` -> (its CompletedProcess, the SVG it wrote)."""
+    result = run_cli(folder, str(folder / "belt.svg"), "--quick", script="tools/belt_svg.py")
+    return result, (folder / "belt.svg").read_text() if (folder / "belt.svg").exists() else ""
+
+
+def head_3(folder):
+    """`python nanobatch.py --demo --quick | head -3`: the reader goes away after three lines -> (its exit
+    status, its stderr)."""
+    process = start_cli(folder, "--demo", "--quick")
+    try:
+        for _ in range(3):
+            process.stdout.readline()
+        process.stdout.close()
+        stderr = process.stderr.read()
+        return process.wait(timeout=100), stderr
+    finally:
+        process.kill()  # if it hangs, nothing outlives the suite (a process that ended is left alone)
+
+
+def ctrl_c_at_step_3(folder):
+    """`python nanobatch.py --demo --quick --disaggregate`, Ctrl-C as a terminal sends it once three steps
+    are printed -> (its exit status, its stdout, its stderr)."""
+    process = start_cli(folder, "--demo", "--quick", "--disaggregate")
+    try:
+        n_steps_seen, line = 0, "?"
+        while n_steps_seen < 3 and line:  # "" at the end of its output: it ended first
+            line = process.stdout.readline()
+            n_steps_seen += line.startswith("step ")
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=100)
+        return process.returncode, stdout, stderr
+    finally:
+        process.kill()
+
+
+IN_BACKGROUND = {"test_cli_demo_quick": demo_to_svg, "test_cli_closed_pipe_ends_quietly": head_3,
+                 "test_cli_ctrl_c_shows_the_figures_so_far": ctrl_c_at_step_3}  # test -> its run
+BACKGROUND = SimpleNamespace(runs={}, folder=None, threads=None)  # the runs started, in a folder of their own
+
+
+def start_in_background(tests):
+    """Start the runs of these tests (names) that have not started."""
+    if BACKGROUND.threads is None:
+        BACKGROUND.folder = Path(tempfile.mkdtemp(prefix="nanobatch-cli-"))
+        BACKGROUND.threads = ThreadPoolExecutor(len(IN_BACKGROUND), thread_name_prefix="nanobatch cli run")
+    for test in set(tests) & IN_BACKGROUND.keys() - BACKGROUND.runs.keys():
+        (folder := BACKGROUND.folder / test).mkdir()
+        BACKGROUND.runs[test] = BACKGROUND.threads.submit(IN_BACKGROUND[test], folder)
+
+
+def stop_background():
+    """At the session's end: wait for the runs still going (each ends within its timeouts), remove the folder."""
+    if BACKGROUND.threads is not None:
+        BACKGROUND.threads.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(BACKGROUND.folder, ignore_errors=True)
+
+
+@pytest.fixture
+def ran(request):
+    """What the test's command-line run gave back: started as the session began, or now."""
+    start_in_background([request.node.originalname])
+    return BACKGROUND.runs[request.node.originalname].result(timeout=300)
+
+
+def test_cli_demo_quick(ran):
     """The demo runs offline in seconds on a tiny random model: a belt line per step, the table with
     its legend, the sentence that says which rows to compare, and, run by tools/belt_svg.py, a picture
     of both runs, one bar for each of the 32 requests in each."""
-    result = run_cli(tmp_path, str(tmp_path / "belt.svg"), "--quick", script="tools/belt_svg.py")
+    result, svg = ran
     assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert sum(line.startswith("step ") for line in lines) > 100, result.stdout[-2000:]
@@ -61,7 +138,7 @@ def test_cli_demo_quick(tmp_path):
         assert [line[:24] for line in lines].count(f"{row:24}") == 1, f"{row}: not once in the table"
         assert sum(line.startswith(f"{row}: ") for line in lines) == 1, f"{row}: not once in the legend"
     assert "The rows to compare: steps and TTFT" in result.stdout
-    panels = drawn_panels((tmp_path / "belt.svg").read_text())
+    panels = drawn_panels(svg)
     assert [sorted(bars) for _, bars, _ in panels] == [list(range(32))] * 2, "not one bar per request per panel"
 
 
@@ -201,15 +278,11 @@ def test_cli_a_broken_loop_keeps_its_traceback(monkeypatch, error):
         nanobatch.main(["--demo", "--quick", "--quiet"])
 
 
-def test_cli_closed_pipe_ends_quietly(tmp_path):
+def test_cli_closed_pipe_ends_quietly(ran):
     """`python nanobatch.py --demo --quick | head -3`: the reader goes away after three lines, and the
     demo stops without a word, with the status a shell gives a program stopped by SIGPIPE."""
-    process = start_cli(tmp_path, "--demo", "--quick")
-    for _ in range(3):
-        process.stdout.readline()
-    process.stdout.close()
-    stderr = process.stderr.read()
-    assert process.wait(timeout=100) == 141 and stderr == "", stderr
+    status, stderr = ran
+    assert status == 141 and stderr == "", stderr
 
 
 def check_cut_table(stdout, run_name):
@@ -221,16 +294,11 @@ def check_cut_table(stdout, run_name):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process is POSIX")
-def test_cli_ctrl_c_shows_the_figures_so_far(tmp_path):
+def test_cli_ctrl_c_shows_the_figures_so_far(ran):
     """Ctrl-C a few steps into the disaggregated demo, as a terminal sends it: exit status 130, the
     table of the run up to there, and the prefill worker stopped and joined on the way out."""
-    process = start_cli(tmp_path, "--demo", "--quick", "--disaggregate")
-    n_steps_seen = 0
-    while n_steps_seen < 3:
-        n_steps_seen += process.stdout.readline().startswith("step ")
-    process.send_signal(signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=100)
-    assert process.returncode == 130, stderr[-2000:]
+    status, stdout, stderr = ran
+    assert status == 130, stderr[-2000:]
     check_cut_table(stdout, "disaggregated")
 
 

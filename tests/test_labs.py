@@ -507,9 +507,10 @@ def matches_sequential(n_slots, policy="continuous", prefill_chunk=None, sampled
 
 
 @pytest.fixture(scope="module")
-def main_demo():
-    """The quick demo as main runs it, once: what it ran and what it printed."""
-    return demo()
+def main_demo(quick_demo):
+    """The quick demo as main runs it, once for the suite (tests/common.py's quick_demo, whose page the page's
+    tests read): what it ran and what it printed."""
+    return quick_demo.shown, quick_demo.printed
 
 
 def test_lab_commands_parse(monkeypatch):
@@ -791,19 +792,23 @@ def test_lab_4_the_dirty_slot(monkeypatch):
 # Lab 5: stalls
 
 
-def forward_seconds(model, steps, n_slots, max_len, n_rounds=5):
-    """Seconds for one forward of each PackedStep, in a cache of n_slots x max_len: the fastest of
-    n_rounds, each round running every step once (after one to warm up). Round after round, a busy
-    machine's drift falls on all the steps alike, and the fastest round is the step's own cost, what
-    the machine's other work did not add."""
+def forward_seconds(model, steps, n_slots, max_len, enough, most_rounds=20):
+    """Seconds for one forward of each PackedStep, in a cache of n_slots x max_len: the fastest of the
+    rounds, each round running every step once (after one to warm up), until enough(the fastest so far)
+    holds, or most_rounds. Round after round, a busy machine's drift falls on all the steps alike, and
+    the fastest round is the step's own cost, what the machine's other work did not add: on an idle
+    machine one round shows it, beside other work it may take several."""
     cache, seconds = model.new_cache(n_slots, max_len), [[] for _ in steps]
     with torch.no_grad():
-        for _ in range(1 + n_rounds):
+        for n_rounds in range(1 + most_rounds):
             for packed, times in zip(steps, seconds):
                 start = time.perf_counter()
                 model.forward_packed(packed, cache)
                 times.append(time.perf_counter() - start)
-    return [min(times[1:]) for times in seconds]
+            fastest = [min(times[1:]) for times in seconds] if n_rounds else None
+            if n_rounds and enough(fastest):
+                break
+    return fastest
 
 
 def test_lab_5_stalls():
@@ -813,8 +818,8 @@ def test_lab_5_stalls():
     9/26, and the long prompts' first tokens 9 to 15 steps later. In time, phase 4's forward of each
     step that takes a long prompt whole lasts longer than the median step's, by a quarter at least;
     the prose's milliseconds are the excerpt's.
-    Those forwards are timed again here, round after round (forward_seconds). Read once, from the
-    run's own StepReport.step_s, the four long steps against the median step failed "over twice" by
+    Those forwards are timed again here, round after round until it holds, up to 20 (forward_seconds).
+    Read once, from the run's own StepReport.step_s, the four long steps against the median step failed "over twice" by
     chance: with a busy core beside it, 2.5-3.3x in 7 runs of 8, and in the eighth 1.63x (its long
     steps at 1.65x, 1.63x, 3.4x and 3.5x: one step's time, read once, is the machine's too). Timed
     again, fastest round kept, the fastest long step took at least 2.4x the median step in 40 runs
@@ -878,8 +883,12 @@ def test_lab_5_stalls():
     long_steps = [report.packed for report in whole if report.n_prompt_tokens >= 600]
     others = [report.packed for report in whole if report.packed is not None and report.n_prompt_tokens < 600]
     assert len(long_steps) == 4
-    seconds = forward_seconds(model, long_steps + others[::len(others) // 8][:8], args.slots, model.config.block_size)
-    assert min(seconds[:4]) > 1.25 * statistics.median(seconds[4:]), \
+    def longer(seconds):  # the fastest long step, longer than the median other step by a quarter
+        return min(seconds[:4]) > 1.25 * statistics.median(seconds[4:])
+
+    seconds = forward_seconds(model, long_steps + others[::len(others) // 8][:8], args.slots, model.config.block_size,
+                              enough=longer)
+    assert longer(seconds), \
         f"the long steps' forwards {seconds[:4]}, the others' {seconds[4:]}"
     check_every_figure_pinned(section, r"7 s on an idle machine", r"plan_step\(belt, 0\)")  # a time, the code
 
@@ -950,14 +959,20 @@ def test_lab_7_batch_size():
     or 6-10 ms while other work shared the memory, and either timing could meet a burst of other
     work that the other missed. "Over twice" and "over 4x the tokens a second", so timed, failed in
     two full runs of the suite out of three with a busy core beside it. So the two are timed in
-    turn, five times, each one's fastest kept (3.1x to 13x in 40 runs beside a busy core), and only
-    what holds whatever the memory does is asserted: more time a step, more tokens a second."""
+    turn, each one's fastest kept (five rounds: 3.1x to 13x in 40 runs beside a busy core), and only
+    what holds whatever the memory does is asserted: more time a step, more tokens a second. Five
+    rounds still failed once, on two cores shared with seven busy processes (64 slots' fastest step
+    40x one slot's): the rounds go on until both hold of the fastest, up to 20; one if the machine is
+    idle."""
     section = lab(7)
     torch.manual_seed(0)
     model = nanobatch.GPT(nanobatch.TINY).eval()
-    rounds = [[bench.time_decode_steps(model, [[47] * n_slots], max_len=64)[0] for n_slots in (1, 64)]
-              for _ in range(5)]
-    one, sixty_four = (min(seconds) for seconds in zip(*rounds))
+    rounds = []
+    while len(rounds) < 20:  # in turn, until both hold of the fastest of each, or 20 rounds: one if the machine is idle
+        rounds.append([bench.time_decode_steps(model, [[47] * n_slots], max_len=64)[0] for n_slots in (1, 64)])
+        one, sixty_four = (min(seconds) for seconds in zip(*rounds))
+        if sixty_four > 1.25 * one and 64 / sixty_four > 2 * (1 / one):
+            break
     assert sixty_four > 1.25 * one, f"a step of 64 slots {sixty_four:.4f} s, of one {one:.4f} s"
     assert 64 / sixty_four > 2 * (1 / one), f"tokens/s: 64 slots {64 / sixty_four:.0f}, one {1 / one:.0f}"
     [snippet] = [argv[2] for argv in commands(section) if argv[:2] == ["python", "-c"]]

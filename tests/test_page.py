@@ -11,8 +11,8 @@ import json
 import re
 import shutil
 import subprocess
-import threading
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from decimal import ROUND_HALF_UP, Decimal
 from types import SimpleNamespace
 
@@ -21,9 +21,9 @@ import torch
 
 import model as model_py
 import nanobatch
-from model import PackedStep
 from nanobatch import Request, generate
-from tests.common import MAX_LEN, REPO, hand_worked_requests, random_workload, tiny_gpt
+from tests.common import MAX_LEN, REPO, hand_worked_requests, random_workload, record_forwards, tiny_gpt
+from tests.test_schedule import RUNS as SCHEDULED
 import belt_svg  # noqa: E402 (tools/, put on the path by tests.common)
 import explore  # noqa: E402
 
@@ -117,33 +117,6 @@ RUNS = {  # name -> generate's options: chunks beside one-token rows; static's p
     "disaggregated": dict(n_slots=3, policy="continuous", prefill_chunk=None, disaggregate=True),
     "paged": dict(n_slots=3, policy="continuous", prefill_chunk=5, kv_blocks=5, kv_block_size=8),  # preempts
 }
-
-
-def on_host(packed):
-    """A PackedStep copied to the CPU now, so that what is compared is what the forward received."""
-    return PackedStep(packed.tokens.cpu().clone(), packed.positions.cpu().clone(), packed.slots.cpu().clone(),
-                      packed.n_one_token, packed.one_token_mask.cpu().clone(),
-                      [(rows, slot, mask.cpu().clone()) for rows, slot, mask in packed.chunks],
-                      packed.logit_rows.cpu().clone(),
-                      None if packed.block_tables is None else packed.block_tables.cpu().clone())
-
-
-FORWARD_PACKED = model_py.GPT.forward_packed  # the real one, before any test wraps it
-
-
-def record_forwards(monkeypatch):
-    """model.GPT.forward_packed, recording the PackedStep of every call made in the main thread -> that list."""
-    calls = []
-
-    def recording(self, step, cache):
-        # The loop's calls, not the worker's; and of those, the ones over tokens: a step with nothing to
-        # feed (every prompt at the prefill worker) runs its forward over none, and reports no packed step.
-        if threading.current_thread() is threading.main_thread() and len(step.tokens):
-            calls.append(on_host(step))
-        return FORWARD_PACKED(self, step, cache)
-
-    monkeypatch.setattr(model_py.GPT, "forward_packed", recording)
-    return calls
 
 
 def explored(monkeypatch, name):
@@ -315,6 +288,14 @@ def sees_one_past_its_own(positions, L):
     return torch.arange(L, device=positions.device)[None, None, :] <= positions[:, :, None] + 1  # (B, T, L)
 
 
+def broken_both_ways(positions, L):
+    """Broken on purpose, both ways: a token may see the position after its own, and none sees positions
+    1 and 2 (a token at 1 or 2 misses its own position, a later one two earlier positions)."""
+    key_positions = torch.arange(L, device=positions.device)[None, None, :]
+    hidden = (key_positions >= 1) & (key_positions <= 2) & (key_positions <= positions[:, :, None])
+    return (key_positions <= positions[:, :, None] + 1) & ~hidden  # (B, T, L)
+
+
 def test_a_broken_mask_shows_in_the_page(explored_runs, monkeypatch):
     """The page draws the engine's masks, not its own: a mask that lets a row see the position after
     its own shows as a 1 past the query's position; the engine's own never does."""
@@ -330,15 +311,10 @@ def test_a_broken_mask_shows_in_the_page(explored_runs, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def quick_page(tmp_path_factory):
-    """tools/explore.py FILE --quick --quiet, its forwards recorded -> (the page's text, its data, calls, Shown)."""
-    path = tmp_path_factory.mktemp("explore") / "belt.html"
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        calls = record_forwards(monkeypatch)
-        shown = explore.main([str(path), "--quick", "--quiet"])
-    page = path.read_text()
-    data = json.loads(re.search(r'<script type="application/json" id="nanobatch-run">(.*?)</script>', page, re.S)[1])
-    return path, page, data, calls, shown
+def quick_page(quick_demo):
+    """tools/explore.py FILE --quick, its forwards recorded (tests/common.py's quick_demo, run once for the
+    suite: the labs read it too) -> (the page's path, its text, its data, calls, Shown)."""
+    return quick_demo.path, quick_demo.page, quick_demo.data, quick_demo.calls, quick_demo.shown
 
 
 def test_quick_page_data_are_the_forwards(quick_page):
@@ -370,8 +346,9 @@ def opened(path, link):
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.skip("no Chromium here to open the page in (Debian: apt-get install chromium)")
+    # Within 120 s: the probe, three launches at once on two cores shared with other work, took 23 s once.
     return subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
-                           f"{path.as_uri()}#{link}"], capture_output=True, text=True, timeout=30, check=True).stdout
+                           f"{path.as_uri()}#{link}"], capture_output=True, text=True, timeout=120, check=True).stdout
 
 
 FOLLOW_LINKS = """<script>
@@ -384,6 +361,7 @@ function shownNow() {
           rows: [...document.querySelectorAll("#packed .row")].map((row) => [+row.dataset.slot, +row.dataset.position]),
           cells: [...document.querySelectorAll(".cell[data-visible]")].map((cell) => cell.dataset.visible).join(""),
           hash: location.hash, info: document.querySelector("#step-info").textContent,
+          packed: document.querySelector("#packed-title").textContent,
           titles: [...document.querySelectorAll("#packed .row")].map((row) => row.title),
           captions: [...document.querySelectorAll("#packed .caption")].map((caption) => caption.textContent),
           grids: [...document.querySelectorAll("#attention .grid")].map((grid) => [
@@ -403,15 +381,34 @@ OPENED_AT = ("static", 5)  # a step with padding, dummy queries, and a chunk tha
 FOLLOWED = ["run=Static&step=12", "run=static&step=abc", "run=static&step=100000", "run=continuous&step=12&predict=1"]
 
 
-@pytest.fixture(scope="module")
-def followed(quick_page, tmp_path_factory):
-    """The quick page opened once in headless Chromium at #run=static&step=5, FOLLOW_LINKS in it ->
-    (what it showed as opened, what it showed at each of FOLLOWED, the DOM at the end). One launch
-    for both tests below: a launch takes a second or more on two cores."""
+def following_page(quick_page, folder):
+    """The quick page with FOLLOW_LINKS in it, then PRESS_KEYS -> (its file, the link to open it at)."""
     _, page, _, _, _ = quick_page
-    path = tmp_path_factory.mktemp("following") / "following.html"
-    path.write_text(page.replace("</body>", FOLLOW_LINKS.replace("LINKS", json.dumps(FOLLOWED))))
-    dom = opened(path, "run={}&step={}".format(*OPENED_AT))
+    path = folder / "following.html"
+    path.write_text(page.replace("</body>", FOLLOW_LINKS.replace("LINKS", json.dumps(FOLLOWED))
+                                 .replace("</body>", PRESS_KEYS)))
+    return path, "run={}&step={}".format(*OPENED_AT)
+
+
+@pytest.fixture(scope="module")
+def launched(quick_page, by_hand, crowded_run, tmp_path_factory):
+    """The three pages the tests below open in Chromium (following_page, probed_page, crowded_page),
+    written, then opened all at once, a Chromium each -> {page: a Future of its DOM}. A launch mostly
+    waits, a second or two on two cores: three at once take hardly longer than one."""
+    folder = tmp_path_factory.mktemp("pages")
+    pages = {"following": following_page(quick_page, folder), "probed": probed_page(by_hand, folder),
+             "crowded": crowded_page(crowded_run, folder)}
+    launches = ThreadPoolExecutor(len(pages), thread_name_prefix="chromium")
+    opening = {name: launches.submit(opened, path, link) for name, (path, link) in pages.items()}
+    launches.shutdown(wait=False)  # each test waits for its own page, and the next tests run meanwhile
+    return opening
+
+
+@pytest.fixture(scope="module")
+def followed(launched):
+    """The quick page opened in headless Chromium at #run=static&step=5, FOLLOW_LINKS in it, then
+    PRESS_KEYS -> (what it showed as opened, what it showed at each of FOLLOWED, the DOM at the end)."""
+    dom = launched["following"].result()
     shown = json.loads(html.unescape(re.search(r'data-followed="([^"]*)"', dom)[1]))
     return shown["loaded"], shown["followed"], dom
 
@@ -440,7 +437,7 @@ def test_deep_links_that_name_nothing_here_or_ask_a_question(quick_page, followe
     step that is not a number opens the first step, one past the end the last; &predict=1 opens the
     step as a question: no rows, no cells, no figure that follows from its packing, the link kept."""
     _, _, data, _, _ = quick_page
-    _, shown, dom = followed
+    _, shown, _ = followed
     steps = {run["name"]: run["steps"] for run in data["runs"]}
     wanted = [steps["continuous"][12], steps["static"][0], steps["static"][-1]]  # continuous: the first run
     for link, got, step in zip(FOLLOWED, shown, wanted):
@@ -450,11 +447,15 @@ def test_deep_links_that_name_nothing_here_or_ask_a_question(quick_page, followe
     assert shown[1]["notice"] == shown[2]["notice"] == ""
     question = shown[3]
     assert question["step"] == "12" and question["rows"] == [] and question["cells"] == ""
-    assert question["hash"] == "#run=continuous&step=12&predict=1" and "M = ? rows" in dom
+    assert question["hash"] == "#run=continuous&step=12&predict=1" and "M = ? rows" in question["packed"]
     assert "make a token" not in question["info"] and "prompt tokens" not in question["info"]
 
 
 PRESS_KEYS = """<script>
+// At continuous step 5, predict off, as a link typed into the address bar opens it (FOLLOW_LINKS, run
+// before this, left the page elsewhere), then keys pressed.
+history.replaceState(null, "", "#run=continuous&step=5");
+window.dispatchEvent(new HashChangeEvent("hashchange"));
 function press(key) { window.dispatchEvent(new KeyboardEvent("keydown", {key})); }
 function shown() {  // the rows drawn, the address, and whether a figure that follows from the packing shows
   const text = document.getElementById("step-info").textContent + document.getElementById("packed-title").textContent;
@@ -471,14 +472,12 @@ document.body.dataset.revealed = shown();
 </body>"""
 
 
-def test_predict_hides_the_next_step_until_revealed(quick_page, tmp_path):
+def test_predict_hides_the_next_step_until_revealed(quick_page, followed):
     """At continuous step 5, the key p (predict) hides step 5's packed rows and every figure that follows
     from them (M, the counts, prompt tokens spent, padding, dummies); the right arrow: step 6, as hidden,
     its address (predict kept) in the hash; Enter shows them all."""
-    _, page, data, _, _ = quick_page
-    pressed = tmp_path / "pressed.html"
-    pressed.write_text(page.replace("</body>", PRESS_KEYS))
-    dom = opened(pressed, "run=continuous&step=5")
+    _, _, data, _, _ = quick_page
+    _, _, dom = followed
     n_rows = len(next(step for step in data["runs"][0]["steps"] if step["step"] == 6)["rows"])
     assert 'data-asked="0 #run=continuous&amp;step=5&amp;predict=1 false"' in dom
     assert 'data-hidden="0 #run=continuous&amp;step=6&amp;predict=1 false"' in dom
@@ -541,7 +540,7 @@ def undrawn(data, script):
     steps = [step for run in runs for step in run["steps"]]
     dicts = [data, *runs, *(request for run in runs for request in run["requests"]), *steps,
              *(row for step in steps for row in step["rows"]), *(mask for step in steps for mask in step["masks"])]
-    return sorted({key for d in dicts for key in d if not re.search(rf"\.{key}\b", script)})
+    return sorted(key for key in {key for d in dicts for key in d} if not re.search(rf"\.{key}\b", script))
 
 
 def test_every_field_of_the_data_is_drawn(quick_page):
@@ -559,7 +558,8 @@ def test_every_field_of_the_data_is_drawn(quick_page):
 #
 # Six requests on two slots (HAND_WORKED, tests/common.py; eos_id=None, so each makes exactly
 # max_new_tokens), whose schedule is worked out below, run six ways: continuous, static,
-# disaggregated, continuous under a mask that sees one position past its own, paged in a pool so
+# disaggregated, continuous under a mask broken both ways (it sees one position past its own, and hides
+# positions 1 and 2), paged in a pool so
 # small that a request is preempted, and the same pool with a prefix cache, in which requests find,
 # share, keep and evict blocks. The page of these six runs is opened once in Chromium, where a probe
 # runs the page's own script again, in a scope of its own, at every step of every run: as written,
@@ -636,7 +636,7 @@ BY_HAND = {  # name -> generate's options
     "continuous": dict(policy="continuous"),
     "static": dict(policy="static"),
     "disaggregated": dict(policy="continuous", disaggregate=True),
-    "broken": dict(policy="continuous"),  # run with sees_one_past_its_own for the mask
+    "broken": dict(policy="continuous"),  # run with broken_both_ways for the mask
     "paged": dict(policy="continuous", kv_blocks=6, kv_block_size=2),
     "prefix cache": dict(policy="continuous", kv_blocks=6, kv_block_size=2, prefix_cache=True),
 }
@@ -655,6 +655,10 @@ PLANTED = {  # a defect: (the style or the script, the text as written, the text
                                        'if (bit === "1" && l > row.position && mask.slot !== null) marks = " leak";'),
     "no marks in a chunk": ("script", 'if (bit === "1" && l > row.position) marks = " leak";',
                             'if (bit === "1" && l > row.position && mask.slot === null) marks = " leak";'),
+    "a hole at its own position unmarked": ("script", 'else if (bit === "0" && l <= row.position) marks = " hole";',
+                                            'else if (bit === "0" && l < row.position) marks = " hole";'),
+    "a hole outlined as its own position": ("style", ".cell.hole { outline: 2px solid #06c; outline-offset: -2px; }",
+                                            ".cell.hole { outline: 1px solid #222; outline-offset: -1px; }"),
     "the frame at the index": ("script", "+svg.dataset.left + step.step * +svg.dataset.stepWidth",
                                "+svg.dataset.left + index * +svg.dataset.stepWidth"),
     "the queue before admission": ("script", "chips(step.waiting)", "chips([...step.admitted, ...step.waiting])"),
@@ -719,17 +723,46 @@ PLANTED = {  # a defect: (the style or the script, the text as written, the text
         '    const held = during.length ? chips(during).join("") : "none";'),
 }
 
-# The defects whose checks read the colours painted (check_cells, check_marks, check_cache_cells): the
+# The run each defect is planted on: the probe runs a planted page's script over that run's links only (a
+# sixth of them, so that its defects cost what the page as written does), one where the defect shows.
+PLANTED_ON = {
+    "the shown step's index": "continuous", "the index in the address": "continuous",  # the clock jumps there
+    "a 1 painted as a 0": "continuous", "cells painted from positions": "broken", "its own position marked": "broken",
+    "no marks in the one-token call": "broken", "no marks in a chunk": "broken",
+    "a hole at its own position unmarked": "broken", "a hole outlined as its own position": "broken",
+    "the frame at the index": "continuous", "the queue before admission": "continuous",
+    "the worker's prompts during the step": "disaggregated", "blocks waited for beside a slot phase 3 freed": "paged",
+    "block tables shifted by one": "paged", "fill from kv_used": "paged", "fill from the table's start": "paged",
+    "writes into the table's first block": "paged", "empty painted as held": "paged",
+    "one holder per block": "prefix cache", "shared painted in one colour": "prefix cache",
+    "kept painted as held": "prefix cache", "free counted in requests": "paged",
+    "free counted in table entries": "prefix cache", "freed from this step's tables": "paged",
+    "preemptions left out of the line": "paged", "kept drawn as free": "prefix cache",
+    "kept from the step before": "prefix cache", "hits taken for evictions": "prefix cache",
+    "evictions against this step's kept": "prefix cache", "found left out of the events": "prefix cache",
+    "found left out of the captions": "prefix cache", "found blocks from the table's end": "prefix cache",
+    "an answer's first token a prompt token": "continuous", "every row sampled": "static",
+    "a block's positions one past its end": "paged", "a block's positions from its number": "paged",
+    "a block's tokens from its number": "paged", "the one-token call's S from its L": "static",
+    "a chunk's L from its rows": "prefix cache", "every query a dummy": "static",
+    "a slot's fill from kv_used": "continuous", "the tab's policy the first run's": "static",
+    "the step count from the step's number": "continuous", "a whole prompt one to go": "continuous",
+}
+QUESTIONS = ["run=paged&step=4&predict=1", "run=prefix cache&step=4&predict=1", "run=paged&step=5&predict=1"]
+
+# The defects whose checks read the colours painted (check_cells, check_marks, check_mask_marks,
+# check_cache_cells): the
 # probe reads each cell's computed style for these only (a style read per cell, in 43 runs of the page's
 # script over every link, took a third of the probe's seconds: on two shared cores, 8 to 10 s read for
-# every defect, 6 s for these 13 only).
+# every defect, 6 s for these 13 only; 15 now).
 PAINTED = {"a 1 painted as a 0", "cells painted from positions", "its own position marked",
            "no marks in the one-token call", "no marks in a chunk", "block tables shifted by one", "fill from kv_used",
+           "a hole at its own position unmarked", "a hole outlined as its own position",
            "fill from the table's start", "writes into the table's first block", "empty painted as held",
            "one holder per block", "shared painted in one colour", "kept painted as held"}
 
 PROBE = """<script>
-const LINKS = __LINKS__, VARIANTS = __VARIANTS__, PAINTED = __PAINTED__;  // filled in by the fixture below
+const VARIANTS = __VARIANTS__, PAINTED = __PAINTED__;  // filled in by the fixture below
 let measure = true;  // read the cache's widths too: a layout each link, so only for the page as written
 let paint = true;  // read each cell's colours: for the page as written and the defects in PAINTED only
 // The probe: at each link, what the page drew: the step shown, the address, the frames' x, each part
@@ -738,7 +771,8 @@ function look(hash) {
   const belt = [...document.querySelectorAll(".belt")].find((belt) => belt.style.display !== "none");
   const cell = (cell) => {
     const painted = paint ? getComputedStyle(cell) : {};
-    return [cell.dataset.visible, painted.backgroundColor, painted.backgroundImage !== "none"];
+    return [cell.dataset.visible, painted.backgroundColor, painted.backgroundImage !== "none",
+            painted.outlineStyle === "none" ? "none" : `${painted.outlineColor} ${painted.outlineWidth}`];
   };
   return {step: document.querySelector("#shown-step").textContent, hash,
           frames: [...belt.querySelectorAll(".mark")].map((frame) => +frame.getAttribute("x")),
@@ -784,10 +818,10 @@ const painted = (background) => {
 const colours = requests.map((request) => painted(request.colour));
 const pale = requests.map((request) => painted(`color-mix(in srgb, ${request.colour} 30%, white)`));
 // Each variant's style and script (the page's, or with a defect planted): the script run again in a
-// function of its own, then each link followed as the page follows one (fromHash, then go). Its
+// function of its own, then each of its links followed as the page follows one (fromHash, then go). Its
 // address bar is an object of its own: Chrome throttles history.replaceState, called here hundreds of times.
 const looked = {};
-for (const [name, [style, script]] of Object.entries(VARIANTS)) {
+for (const [name, [style, script, links]] of Object.entries(VARIANTS)) {
   document.querySelector("style").textContent = style;
   measure = name === "as written";
   paint = measure || PAINTED.includes(name);
@@ -795,7 +829,7 @@ for (const [name, [style, script]] of Object.entries(VARIANTS)) {
   try {
     looked[name] = new Function("LINKS", "look", "location", "history", script + `
       return LINKS.map((link) => { location.hash = "#" + link; go(...fromHash()); return look(location.hash); });`
-    )(LINKS, look, address, history);
+    )(links, look, address, history);
   } catch (error) {
     looked[name] = String(error);
   }
@@ -819,7 +853,7 @@ def run_by_hand(name):
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         if name == "broken":
-            monkeypatch.setattr(nanobatch, "attention_mask", sees_one_past_its_own)
+            monkeypatch.setattr(nanobatch, "attention_mask", broken_both_ways)
         monkeypatch.setattr(nanobatch.PrefixCache, "take_block", evicting)
         completions = generate(tiny_gpt(), hand_worked_requests(), n_slots=2, eos_id=None, on_step=reports.append,
                                **options)
@@ -850,39 +884,52 @@ def by_hand():
     return SimpleNamespace(shown=shown, page=page, data=data, evicted=evicted)
 
 
-@pytest.fixture(scope="module")
-def probed(by_hand, tmp_path_factory):
-    """by_hand's page, opened once in Chromium with the probe -> by_hand with more: the links followed,
-    the colour the browser paints each request in, and {variant: what it drew at each link}."""
+def probed_page(by_hand, folder):
+    """by_hand's page, QUESTIONS followed in it (FOLLOW_LINKS), then the probe, its variants filled in ->
+    (its file, the link to open it at)."""
     page, links = by_hand.page, probe_links(by_hand.data)
-    variants = {"as written": [page_style(page), page_script(page)]}
+    variants = {"as written": [page_style(page), page_script(page), [link for link, _, _ in links]]}
+    assert set(PLANTED_ON) == set(PLANTED), set(PLANTED) ^ set(PLANTED_ON)
     for name, (where, written, planted) in PLANTED.items():
-        style, script = variants["as written"]
+        style, script, _ = variants["as written"]
         assert (style if where == "style" else script).count(written) == 1, f"{name}: {written!r} is not in the page"
         variants[name] = [style.replace(written, planted), script] if where == "style" else \
             [style, script.replace(written, planted)]
-    probe = PROBE.replace("__LINKS__", json.dumps([link for link, _, _ in links]))
-    probe = probe.replace("__VARIANTS__", json.dumps(variants).replace("<", "\\u003c"))  # no "</script>" in it
+        variants[name].append([link for link, run, _ in links if run["name"] == PLANTED_ON[name]])
+    probe = PROBE.replace("__VARIANTS__", json.dumps(variants).replace("<", "\\u003c"))  # no "</script>" in it
     assert PAINTED <= set(PLANTED), PAINTED - set(PLANTED)
     probe = probe.replace("__PAINTED__", json.dumps(sorted(PAINTED)))
-    path = tmp_path_factory.mktemp("probe") / "probed.html"
-    path.write_text(page.replace("</body>", probe))
-    dom = opened(path, "")
+    path = folder / "probed.html"
+    path.write_text(page.replace("</body>", FOLLOW_LINKS.replace("LINKS", json.dumps(QUESTIONS)).replace("</body>", probe)))
+    return path, ""
+
+
+@pytest.fixture(scope="module")
+def probed(by_hand, launched):
+    """by_hand's page, opened in Chromium, QUESTIONS followed in it (FOLLOW_LINKS), then the probe ->
+    by_hand with more: the links followed, the colour the browser paints each request in, {variant: what
+    it drew at each of its links: every link as written, a planted defect's run's (PLANTED_ON)}, and what
+    the page showed at each of QUESTIONS."""
+    dom = launched["probed"].result()
     dumped = json.loads(html.unescape(re.search(r'data-looked="([^"]*)"', dom)[1]))
     for name, looks in dumped["looked"].items():
         assert isinstance(looks, list), f"the page's script, {name}, did not run: {looks}"
-    return SimpleNamespace(**vars(by_hand), links=links, colours=dumped["colours"], pale=dumped["pale"],
-                           looked=dumped["looked"])
+    followed = json.loads(html.unescape(re.search(r'data-followed="([^"]*)"', dom)[1]))["followed"]
+    return SimpleNamespace(**vars(by_hand), links=probe_links(by_hand.data), colours=dumped["colours"],
+                           pale=dumped["pale"], looked=dumped["looked"], followed=followed)
 
 
 def check_planted(check, probed, *defects):
-    """check passes on the page as written, and fails (an AssertionError) on each of the defects planted."""
+    """check passes on the page as written, at every link, and fails (an AssertionError) on each of the
+    defects planted, at the links of the run it is planted on (PLANTED_ON)."""
     check(probed, probed.looked["as written"])
     for defect in defects:  # a check of colours fails on a defect whose colours were not read: not its teeth
-        assert defect in PAINTED or check not in (check_cells, check_marks, check_cache_cells), \
+        assert defect in PAINTED or check not in (check_cells, check_marks, check_mask_marks, check_cache_cells), \
             f"{defect}: add it to PAINTED, so that the probe reads its colours"
+        planted_on = SimpleNamespace(**{**vars(probed), "links": [(link, run, step) for link, run, step in probed.links
+                                                                  if run["name"] == PLANTED_ON[defect]]})
         try:
-            check(probed, probed.looked[defect])
+            check(planted_on, probed.looked[defect])
         except AssertionError:
             continue
         pytest.fail(f"{check.__name__} passed with a defect planted: {defect}")
@@ -907,7 +954,7 @@ def test_deep_links_on_a_run_whose_clock_jumps(probed):
 
 def cells_of(look, step):
     """Each mask cell drawn at a step, with what the data say of it -> [(where, its bit, the row it is
-    for (None: a dummy query), its position, what was drawn: (data-visible, colour, hatched))]."""
+    for (None: a dummy query), its position, what was drawn: (data-visible, colour, hatched, outline))]."""
     assert len(look["grids"]) == len(step["masks"]), "a grid per mask"
     cells = []
     for g, (mask, grid) in enumerate(zip(step["masks"], look["grids"])):
@@ -923,7 +970,7 @@ def check_cells(probed, looks):
     """Each cell says its bit (data-visible) and is painted as its bit says: a 1 in its row's colour
     (grey for padding or a dummy query; red where it is past the row's position), a 0 empty or hatched."""
     for (link, run, step), look in zip(probed.links, looks):
-        for where, bit, row, l, (visible, colour, hatched) in cells_of(look, step):
+        for where, bit, row, l, (visible, colour, hatched, _) in cells_of(look, step):
             where = f"{link}, mask {where[0]}, query {where[1]}, position {l}"
             assert visible == bit, f"{where}: data-visible {visible}, the data {bit}"
             painted_one = not hatched and colour != EMPTY
@@ -943,7 +990,7 @@ def check_marks(probed, looks):
     """Red exactly where a 1 lies past its row's position."""
     for (link, run, step), look in zip(probed.links, looks):
         cells = cells_of(look, step)
-        red = {where for where, _, _, _, (_, colour, _) in cells if colour == RED}
+        red = {where for where, _, _, _, (_, colour, *_) in cells if colour == RED}
         past = {where for where, bit, row, l, _ in cells if bit == "1" and row is not None and l > row["position"]}
         assert red == past, f"{link}: red but not past their rows {sorted(red - past)}, unmarked {sorted(past - red)}"
 
@@ -959,6 +1006,48 @@ def test_a_mask_that_sees_one_past_is_marked_where_it_does(probed):
     assert leaking == {True, False}, "the broken run should see past its rows in the one-token call and in a chunk"
     check_planted(check_marks, probed, "its own position marked", "no marks in the one-token call",
                   "no marks in a chunk")
+
+
+OUTLINES = {"own": "rgb(34, 34, 34) 1px", "hole": "rgb(0, 102, 204) 2px", "leak": "rgb(153, 0, 0) 2px"}
+
+
+def check_mask_marks(probed, looks):
+    """Each cell of a row (not a dummy query) carries the one mark its bit and position call for, as the
+    legend says: a 1 at its own position outlined dark; a 1 past it red, outlined dark red; a 0 at or
+    before it (a hole: a broken mask) outlined blue; a 0 past it but within its chunk's last row's
+    position (a later token of the same chunk) hatched; any other cell neither outlined nor hatched."""
+    for (link, run, step), look in zip(probed.links, looks):
+        cells = iter(cells_of(look, step))
+        for mask in step["masks"]:
+            chunk_end = None if mask["slot"] is None else step["rows"][mask["rows"][-1]]["position"]
+            for r, visible in zip(mask["rows"], mask["visible"]):
+                for l, bit in enumerate(visible):
+                    where, _, row, _, (_, _, hatched, outline) = next(cells)
+                    position = None if r is None else step["rows"][r]["position"]
+                    mark = None if r is None else "leak" if bit == "1" and l > position else \
+                        "hole" if bit == "0" and l <= position else \
+                        "later" if bit == "0" and chunk_end is not None and l <= chunk_end else \
+                        "own" if l == position else None
+                    want = (OUTLINES.get(mark, "none"), mark == "later")
+                    assert (outline, hatched and bit == "0") == want, \
+                        f"{link}, mask {where[0]}, query {where[1]}, position {l} (a {bit}, the row at {position}): " \
+                        f"drawn outline {outline}, hatched {hatched}; a {mark} mark wants {want}"
+
+
+def test_every_mark_of_a_mask_is_where_its_bits_say(probed):
+    """The broken run's masks also hide positions 1 and 2: from a token there, its own position, from a
+    later one two earlier positions, in the one-token call and in chunks. At every step of the six runs each
+    cell carries the mark its bit and position call for (check_mask_marks). Planted: a hole at the own
+    position drawn as none; a hole drawn as the own position's outline."""
+    broken = next(run for run in probed.data["runs"] if run["name"] == "broken")
+    holes = {(mask["slot"] is None, l == step["rows"][r]["position"]) for step in broken["steps"]
+             for mask in step["masks"] for r, visible in zip(mask["rows"], mask["visible"]) if r is not None
+             for l, bit in enumerate(visible) if bit == "0" and l <= step["rows"][r]["position"]}
+    assert holes == {(True, True), (True, False), (False, True), (False, False)}, \
+        f"the broken run should hide its own position and an earlier one, in the one-token call and a chunk: {holes}"
+    assert any(mask["slot"] is not None and len(mask["rows"]) > 1 for run in probed.data["runs"] for step in run["steps"]
+               for mask in step["masks"]), "no chunk of several rows: no later token to hatch"
+    check_planted(check_mask_marks, probed, "a hole at its own position unmarked", "a hole outlined as its own position")
 
 
 def attributes(element):
@@ -1209,7 +1298,8 @@ def check_preemptions(probed, looks):
             blocks = f"its block{'' if len(table) == 1 else 's'} {', '.join(map(str, table))}" if table else \
                 "no block yet"
             assert f"!{nanobatch.letter(i)}{blocks}" in look["preemption"], f"{link}: {look['preemption']!r}"
-        assert bool(look["preemption"]) == bool(reports[index].preempted), link
+        n = len(reports[index].preempted)
+        assert look["preemption"].startswith(f"phase 3 {n} preempted") if n else look["preemption"] == "", link
         assert {block["block"]: block["freed"] for block in look["blocks"] if block["freed"]} == freed, link
 
 
@@ -1228,6 +1318,61 @@ def test_a_preemption_shows_in_the_line_and_the_cache(probed):
             in " ".join(looks[f"run={name}&step=5"]["captions"]), name
     assert "!Bits blocks 2, 3, 5 (kept: 2, 3)" in looks["run=prefix cache&step=4"]["preemption"]
     check_planted(check_preemptions, probed, "freed from this step's tables", "preemptions left out of the line")
+
+
+@pytest.fixture(scope="module")
+def crowded_run():
+    """A run no hand worked: tests/test_schedule.py's paged run in which two requests are preempted in
+    one step, twice, one of them holding no block yet, and come back -> a namespace: shown, page, data,
+    and the links to each step around a preemption or a comeback (the step before it, it, the step after)."""
+    requests, options, _ = SCHEDULED["paged, several preempted in a step, one with no block yet"]
+    reports = []
+    completions = generate(tiny_gpt(), requests, max_len=MAX_LEN, eos_id=None, on_step=reports.append, **options)
+    name = "crowded"
+    run = (name, options["n_slots"], "continuous", options["prefill_chunk"], False, options["kv_blocks"], False)
+    shown = nanobatch.Shown(requests, [run], {name: completions},
+                            {name: nanobatch.summarize(requests, completions, reports, 1.0)}, {name: reports}, None)
+    page = explore.page_html(shown)
+    data = json.loads(re.search(r'<script type="application/json" id="nanobatch-run">(.*?)</script>', page, re.S)[1])
+    comebacks = {i for r in reports for i in r.preempted}
+    around = {k + d for k, r in enumerate(reports) if r.preempted or set(r.admitted) & comebacks for d in (-1, 0, 1)}
+    steps = data["runs"][0]["steps"]
+    links = [(f"run={name}&step={steps[k]['step']}", data["runs"][0], steps[k]) for k in sorted(around)
+             if 0 <= k < len(steps)]
+    return SimpleNamespace(shown=shown, page=page, data=data, evicted={name: {}}, links=links)
+
+
+def crowded_page(crowded_run, folder):
+    """crowded_run's page with the probe, the page as written only, at its links -> (its file, the link)."""
+    page = crowded_run.page
+    variants = {"as written": [page_style(page), page_script(page), [link for link, _, _ in crowded_run.links]]}
+    probe = PROBE.replace("__VARIANTS__", json.dumps(variants).replace("<", "\\u003c")).replace("__PAINTED__", "[]")
+    path = folder / "crowded.html"
+    path.write_text(page.replace("</body>", probe))
+    return path, ""
+
+
+@pytest.fixture(scope="module")
+def crowded(crowded_run, launched):
+    """crowded_run's page opened in Chromium with the probe -> a namespace as probed's."""
+    dumped = json.loads(html.unescape(re.search(r'data-looked="([^"]*)"', launched["crowded"].result())[1]))
+    assert isinstance(dumped["looked"]["as written"], list), dumped["looked"]["as written"]
+    return SimpleNamespace(**vars(crowded_run), colours=dumped["colours"], pale=dumped["pale"], looked=dumped["looked"])
+
+
+def test_a_crowded_run_as_drawn(crowded):
+    """Where two requests are preempted in one step (one with no block yet), the step's line names both,
+    the cache's line says two gave way, the latest first, each with the blocks its table listed, all of
+    them outlined; and everything else drawn there (every check above that reads no planted page: the
+    steps shown, the cells and their marks, the cache's cells and figures, the queue, every text and
+    title) is the reports'."""
+    looks = crowded.looked["as written"]
+    several = [look["preemption"] for look in looks if look["preemption"].startswith("phase 3 2 preempted")]
+    assert several and all("the latest first" in line for line in several) and \
+        any("no block yet" in line for line in several), several
+    for check in (check_preemptions, check_deep_links, check_cells, check_marks, check_mask_marks, check_cache_cells,
+                  check_cache_figures, check_prefix_cache, check_queue_and_worker, check_frames, check_texts):
+        check(crowded, looks)
 
 
 def report_size(run, report):
@@ -1349,14 +1494,11 @@ def test_found_positions_show_in_the_events_and_the_cache(probed):
         [(1, 5, 4), (2, 7, 2), (3, 10, 2), (5, 11, 2)]
 
 
-def test_the_question_does_not_give_its_preemption_away(by_hand, tmp_path):
+def test_the_question_does_not_give_its_preemption_away(probed):
     """With predict on, step 4 of the paged runs worked by hand shows the queue as admission left it, C
-    alone: not B, whom phase 3 preempts, at its head, where the step's report has it."""
-    links = ["run=paged&step=4&predict=1", "run=prefix cache&step=4&predict=1", "run=paged&step=5&predict=1"]
-    following = tmp_path / "following.html"
-    following.write_text(by_hand.page.replace("</body>", FOLLOW_LINKS.replace("LINKS", json.dumps(links))))
-    dom = opened(following, "")
-    followed = json.loads(html.unescape(re.search(r'data-followed="([^"]*)"', dom)[1]))["followed"]
+    alone: not B, whom phase 3 preempts, at its head, where the step's report has it (QUESTIONS, followed
+    in the probe's launch)."""
+    followed = probed.followed
     assert [(got["step"], got["rows"]) for got in followed] == [("4", []), ("4", []), ("5", [])]
     queues = [re.search(r"queue: [^)]*?(?=phases)", got["info"])[0] for got in followed]
     assert queues == ["queue: 1 waiting C", "queue: 1 waiting C", "queue: 1 waiting C for blocks, a slot free"], queues
