@@ -1,16 +1,14 @@
 """
 nanobatch: continuous batching (iteration-level scheduling) for GPT-2, in one loop, read in five Parts.
 
-Part 1, continuous batching: a belt of slots, each holding one sequence's keys and values in the KV cache.
-`generate` runs the loop, its phases numbered 0 to 7; static batching is the same loop with one decision
-changed (`slots_to_fill`). The loop asks three helpers, the cache, the prompts' feeder and the callers, the
-same questions in every mode (listed above SlotBlocks), and each later Part answers some of them another
-way. Part 2, disaggregated prefill: a PrefillWorker thread prefills the prompts on hardware of its own.
-Part 3, paged attention: a BlockPool holds the cache as small blocks. Part 4, prefix caching: a PrefixCache
-keeps full blocks for later requests to share. Part 5, serving live: LiveRequests takes requests from other
-threads while the loop runs, streams each token to its caller, and lets a caller cancel.
-Below them, under banners: the input checks, the figures and step reports, the command line.
-Shapes in comments use model.py's legend: S slots, M tokens packed into a step, D of them one-token
+Part 1, continuous batching: a belt of slots, each holding one sequence's keys and values in the KV cache, and the
+loop, `generate`, in phases 0 to 7; static batching is the same loop with one decision changed (`slots_to_fill`). The
+loop asks three helpers the same questions in every mode (listed above SlotBlocks); each later Part answers some
+another way. Part 2, disaggregated prefill: a PrefillWorker thread prefills prompts on hardware of its own. Part 3,
+paged attention: a BlockPool holds the cache as small blocks. Part 4, prefix caching: a PrefixCache keeps full blocks
+for later requests. Part 5, serving live: LiveRequests takes requests from other threads while the loop runs and
+streams each token to its caller, who may cancel. Below, under banners: the input checks, figures and step reports,
+the command line. Shapes in comments use model.py's legend: S slots, M tokens packed into a step, D of them one-token
 rows, T tokens of one prompt chunk, L cache positions attended over, R rows sampled, V vocabulary.
 """
 import argparse
@@ -37,8 +35,8 @@ POLICIES = ("continuous", "static")
 EOT = 50256  # <|endoftext|>: GPT-2 ends a text with it
 
 # ---------------------------------------------------------------------------------------------
-# Part 1, continuous batching. The data: what a caller sends, and what it gets back
-
+# Part 1, continuous batching. The data: what a caller sends, and what it gets back; then sampling and stopping,
+# one rule each, shared by the engine and the sequential reference
 
 @dataclass
 class Request:
@@ -61,10 +59,6 @@ class Completion:
     first_token_step: int  # admit_step, unless its prompt took several steps (chunks) or the worker had it
     slot: int  # the slot it occupied (Part 3: preempted and taken in again, the last)
     token_times_s: list[float]  # seconds from the start of its arrival step to each of its tokens
-
-
-# ---------------------------------------------------------------------------------------------
-# Sampling and stopping: one rule each, shared by the engine and the sequential reference
 
 
 def new_sampler(request, device):
@@ -97,12 +91,6 @@ def sample_step(logits, runs, device):
     return torch.stack([sample(row, run.request, run.sampler) for row, run in zip(logits, runs)]).tolist()
 
 
-def synchronize(device):
-    """Wait for what this thread queued on a GPU (queued, not done, when Python moves on): its stream only."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 def stop_reason(request, tokens, max_len, eos_id):
     """Why the request is done after its newest token, or None if it goes on."""
     if tokens[-1] == eos_id:
@@ -116,7 +104,6 @@ def stop_reason(request, tokens, max_len, eos_id):
 
 # ---------------------------------------------------------------------------------------------
 # The per-slot state, and the loop's two decisions: who takes a slot, and what each slot feeds
-
 
 @dataclass
 class Running:
@@ -141,8 +128,7 @@ class Running:
 
     @property
     def is_prefilling(self):  # more to feed than its newest token: its prompt (Part 3: or, preempted, all again)
-        newest = 1 if self.tokens else 0  # before its first token, a prompt has no newest token to feed
-        return self.n_to_feed > newest
+        return self.n_to_feed > (1 if self.tokens else 0)  # before its first token, no newest token to feed
 
     def finish(self, reason, step):  # its Completion, what its caller gets (Part 5: cancelled before a token, no times)
         first_s, last_s = (self.token_times_s[0], self.token_times_s[-1]) if self.tokens else (None, None)
@@ -178,14 +164,12 @@ def plan_step(belt, prefill_chunk):
 # ---------------------------------------------------------------------------------------------
 # The mask, and packing a step's tokens into one forward
 
-
 def attention_mask(positions, L):
     """(B, T, L) bool: a token may see position l of its own slot iff l <= its own position.
 
-    Each row of queries reads one slot only, so requests never see each other, and within a slot
-    this one rule is causal attention over exactly the slot's own prefix: what lies beyond (keys a
-    previous occupant left, x below) is never seen. The README's worked step: slots 0 and 1 decode,
-    slot 3 takes a one-token prompt, a prompt chunk goes into slot 2; 1 = visible (rows are slots):
+    Each row of queries reads one slot only, so requests never see each other; within a slot this one rule is
+    causal attention over exactly the slot's own prefix, never what lies beyond (a previous occupant's keys, x
+    below). The README's worked step (1 = visible): slots 0, 1 decode, slot 3 a one-token prompt, slot 2 a chunk:
 
       one-token rows: B = S = 4, T = 1, over every      a chunk in slot 2: B = 1, T = 3, the prompt's
       slot's first L = 6 positions (the longest row's)  positions 3..5 (0..2 went in a step before)
@@ -200,18 +184,14 @@ def attention_mask(positions, L):
 
 
 def pack_step(work, padding_slots, n_slots, device, block_tables=None):
-    """work, [(run, the token ids it feeds)], as one model.PackedStep -> (that PackedStep, the runs
-    due a token, in its logits' order). Each run's feed is (run, slot, first position, ids); the
-    PackedStep's rows are its tokens, one a row: one-token feeds first (at most one a slot, in the
-    order plan_step lists them: by request index), then each chunk's tokens. padding_slots feed token
-    0 at position 0 for no one (static batching's finished rows; finite keys, seen by no other row).
-    One-token rows attend together in one call over every slot; chunks (a prompt's tokens) each in a
-    call of their own. block_tables: paged (Part 3), each slot's blocks; None: slot s is block s."""
+    """work, [(run, the token ids it feeds)], as one model.PackedStep -> (it, the runs due a token, in its logits'
+    order). Its rows are the tokens, one a row: one-token feeds first (at most one a slot, by request index, as
+    plan_step lists them), then each chunk's tokens. padding_slots feed token 0 at position 0 for no one (static
+    batching's empty slots; finite keys, seen by no other row). One-token rows attend together in one call over
+    every slot; a chunk (a prompt's tokens) in a call of its own. block_tables: Part 3 (None: slot s is block s)."""
     feeds = [(run, run.slot, run.n_cached, ids) for run, ids in work]  # (run, slot, first position, ids)
     feeds += [(None, slot, 0, [0]) for slot in padding_slots]
-    # One-token feeds attend together over every slot's first `cut` positions; chunks each alone over
-    # their own slot. On a first read take the cut as the longest one-token feed's length, its
-    # position + 1 (model.split_at_cut).
+    # On a first read take the one-token rows' cut as the longest one's length, its position + 1 (model.split_at_cut).
     one_token, chunks, cut = split_at_cut(feeds, n_slots, device)
     tokens, positions, slots, logit_rows, padding_rows, to_sample = [], [], [], [], [], []
     for run, slot, first_position, ids in one_token + chunks:
@@ -253,16 +233,14 @@ def pack_step(work, padding_slots, n_slots, device, block_tables=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# What the loop asks, and Part 1's answers. The loop asks three helpers the same questions in every mode,
-# and a later Part answers them another way, never the loop:
-#   the cache, SlotBlocks (Part 3: BlockPool; Part 4: PrefixCache): may a waiting request take this free slot
-#     now (admit), blocks for the step's feeds (make_room, which may preempt), a request leaves its slot
-#     (vacate), where each slot's positions lie (block_tables), and the cache the forward writes (.cache);
-#   the prompts' feeder, PrefillInLoop (Part 2: PrefillWorker): the step's prompt budget, send an admitted
-#     prompt, receive those prefilled elsewhere, and which it holds;
-#   the callers, RequestList (Part 5: LiveRequests): will more come, the next arrival's step, who has
-#     arrived, who has cancelled, and each new token to its caller (hear).
-
+# What the loop asks three helpers, the same in every mode, and Part 1's answers (a later Part's are another way):
+#   the cache, SlotBlocks (Part 3: BlockPool; Part 4: PrefixCache): may a waiting request take this free slot now
+#     (admit), blocks for the step's feeds (make_room, which may preempt), a request leaves its slot (vacate),
+#     where each slot's positions lie (block_tables), and the cache the forward writes (.cache);
+#   the prompts' feeder, PrefillInLoop (Part 2: PrefillWorker): the step's prompt budget, send an admitted prompt,
+#     receive those prefilled elsewhere, and which it holds;
+#   the callers, RequestList (Part 5: LiveRequests): will more come, the next arrival's step, who has arrived,
+#     who has cancelled, and each new token to its caller (hear).
 
 class SlotBlocks:
     """The KV cache per slot: block s is slot s's, max_len positions kept for whoever sits there."""
@@ -302,8 +280,7 @@ class PrefillInLoop(nullcontext):
 
 
 class RequestList:
-    """The callers as a list: each request arrives at its `arrival` step, and its caller reads its tokens at
-    the end, in the Completion generate returns. Part 5's LiveRequests answers the same calls live."""
+    """The callers as a list: each request arrives at its `arrival` step, its answer read when generate returns."""
 
     def __init__(self, requests, device):
         self.runs = [Running(i, request, sampler=new_sampler(request, device)) for i, request in enumerate(requests)]
@@ -345,15 +322,13 @@ def admit_waiting(belt, waiting, policy, blocks, prompts, step):
 # ---------------------------------------------------------------------------------------------
 # The loop
 
-
 def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="continuous",
              prefill_chunk=None, on_step=None, disaggregate=False, kv_blocks=None, kv_block_size=16,
              prefix_cache=False):
-    """Serve requests through a belt of n_slots -> their Completions, in request order (Part 5: requests is a
-    LiveRequests, fed while this runs; each caller holds its own). max_len: positions per slot (default:
-    block_size). eos_id=None: never stop on EOS. prefill_chunk: the prompt tokens a step may take (None: no
-    limit; disaggregated, a forward of the worker). on_step: given each step's StepReport. disaggregate:
-    Part 2; kv_blocks blocks of kv_block_size positions: Part 3; prefix_cache: Part 4 (docs/api.md)."""
+    """Serve requests through a belt of n_slots -> their Completions, in request order (Part 5: a LiveRequests, fed
+    while this runs, each caller holding its own). max_len: positions per slot (None: block_size). eos_id=None: never
+    stop on EOS. prefill_chunk: prompt tokens a step may take (None: no limit; disaggregated, a worker's forward).
+    on_step: given each StepReport. disaggregate: Part 2; kv_blocks, kv_block_size: Part 3; prefix_cache: Part 4."""
     max_len = model.config.block_size if max_len is None else max_len
     device = model.lm_head.weight.device
     is_live = isinstance(requests, LiveRequests)  # Part 5: each request is checked as it is submitted
@@ -361,8 +336,7 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
                               disaggregate, kv_blocks, kv_block_size, prefix_cache)
     # Who sends the requests and hears of their tokens: the caller's list, or (Part 5) live callers.
     callers = requests if is_live else RequestList(checked, device)
-    # Who holds the cache's blocks: a block of max_len a slot, or (Part 3) a pool of small blocks, which
-    # (Part 4) keeps full blocks for later requests to find.
+    # Who holds the cache: a block of max_len a slot, or (Part 3) a pool of small blocks, (Part 4) some kept to share.
     pool = PrefixCache if prefix_cache else BlockPool
     blocks = pool(model, kv_blocks, kv_block_size) if kv_blocks else SlotBlocks(model, n_slots, max_len)
     # Who feeds the prompts: the loop itself, or (Part 2) a prefill worker beside it.
@@ -444,10 +418,9 @@ def generate_sequential(model, requests, *, max_len=None, eos_id=EOT):
                 token_times_s.append(time.perf_counter() - arrived_at[i])
                 reason = stop_reason(request, tokens, max_len, eos_id)
                 step += 1
-            completions[i] = Completion(
-                tokens=tokens, finish_reason=reason, admit_step=admit_step, finish_step=step - 1,
-                ttft_s=token_times_s[0], latency_s=token_times_s[-1], first_token_step=admit_step, slot=0,
-                token_times_s=token_times_s)
+            completions[i] = Completion(tokens, reason, admit_step, finish_step=step - 1, ttft_s=token_times_s[0],
+                                        latency_s=token_times_s[-1], first_token_step=admit_step, slot=0,
+                                        token_times_s=token_times_s)
     return completions
 
 
@@ -458,7 +431,6 @@ def generate_sequential(model, requests, *, max_len=None, eos_id=EOT):
 # calling thread, the model's device) admits a request, reserves its slot and sends it. The worker (a
 # second GPU, else a CUDA stream of its own, else half the CPU's threads) prefills it, samples the first
 # token, copies the keys and values into the slot and sends back a Handover (or its error, raised).
-
 
 @dataclass
 class Handover:  # what the worker sends back once a request's keys and values are in its slot
@@ -659,7 +631,6 @@ class BlockPool(SlotBlocks):
 # request leaves. One whose last holder leaves joins the back of the free line, kept, matchable; a plain
 # one, wiped, its front. New work takes the front: plain blocks, then kept ones, least recently used first.
 
-
 class PrefixCache(BlockPool):
     """A BlockPool whose full blocks outlive their requests, found again by key at admission."""
 
@@ -754,7 +725,6 @@ class PrefixCache(BlockPool):
 # next submission, using no CPU. Each new token goes to its request's Stream in the step that samples it.
 # A cancelled request leaves at the next step boundary, from the queue or from its slot as a retirement
 # (its slot and blocks back, a prefix cache keeping what it wrote), told "abort".
-
 
 class Stream:
     """A submitted request's handle: iterate it (once) for (token, finish_reason) as the steps make them;
@@ -869,7 +839,6 @@ class LiveRequests:
 # ---------------------------------------------------------------------------------------------
 # Checking the input before any work, so that nothing fails halfway: the forms people really pass
 # are turned into plain Python types; everything else is a ValueError that names the field.
-
 
 def is_int(value):
     """True for an int or a numpy integer; False for a bool, though Python counts it as an int
@@ -990,7 +959,6 @@ def check_request(model, r, name, max_len, kv_blocks, kv_block_size):
 
 # ---------------------------------------------------------------------------------------------
 # What a step reports, the figures of a run, and the belt on screen: for --demo, --prompt and tools/
-
 
 def letter(request_index):
     """The request's name on screen: A-Z, then a-z, then A again."""
@@ -1185,7 +1153,6 @@ def print_step(report):
 # ---------------------------------------------------------------------------------------------
 # The command line: --demo and --prompt here; tools/ measures, verifies and draws with the same parts
 
-
 def fail(message):
     """The one-line end for what nanobatch refuses: bad input, a missing or damaged file, no network.
     Any other error (in torch: a wrong shape, out of memory) keeps its traceback."""
@@ -1255,7 +1222,12 @@ def run_all(model, requests, runs, args, eos_id, show_belt):
 
 
 # ---------------------------------------------------------------------------------------------
-# Where each side of a disaggregated run sits: in code for PrefillWorker, in words for the screen
+# Where the work runs: waiting for a GPU's stream; each side of a disaggregated run, in code and in words
+
+def synchronize(device):
+    """Wait for what this thread queued on a GPU (queued, not done, when Python moves on): its stream only."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def prefill_device(device):

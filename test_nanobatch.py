@@ -695,6 +695,25 @@ def test_paged_equals_sequential(gpt_on, workload, n_slots, block_size, prefill_
         assert resumed, "no preempted request was taken in again"
 
 
+@pytest.mark.parametrize("group_bytes", [1, 50_000])  # a slot a group; a few slots a group
+def test_paged_groups_equal_sequential(gpt_on, workload, group_bytes, monkeypatch):
+    """Paged, the one-token call reads its slots a group at a time (model.paged_group_size), so that
+    each group's copies are still in the CPU's cache when attention reads them: GPT-2 on a CPU, at 64
+    rows of 49 keys, in 4 groups of 16. A tiny model's slots all fit in one group, so here the
+    groups are made small: one slot each, then a few. The same tokens as one request at a time."""
+    requests, eos_id, reference = workload
+    sizes, group_size = [], model_py.paged_group_size  # (slots the call reads, slots in each group)
+    monkeypatch.setattr(model_py, "PAGED_GROUP_BYTES", {"cpu": group_bytes, "gpu": group_bytes})
+    monkeypatch.setattr(model_py, "paged_group_size",
+                        lambda n_slots, *args: sizes.append((n_slots, group_size(n_slots, *args))) or sizes[-1][1])
+    got, _, _ = served_paged(gpt_on, requests, eos_id, 16, pool_size("ample", 16, 3), 3, None, monkeypatch)
+    assert first_difference(got, reference) == ""
+    if group_bytes == 1:
+        assert {size for _, size in sizes} == {1} and max(n for n, _ in sizes) > 1, sizes
+    else:
+        assert any(1 < size < n_slots for n_slots, size in sizes), f"no call in groups of several slots: {sizes}"
+
+
 def test_a_block_table_read_one_block_off_is_caught(gpt, monkeypatch):
     """Teeth: let attention read each slot's blocks one entry along its block table (block j's keys
     read where block j - 1's belong), while the writes stay right. The masks, which speak of

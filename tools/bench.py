@@ -6,6 +6,7 @@ The benchmark: continuous batching against static and sequential, timed, on seed
     python tools/bench.py --svg FILE         and the belt of its runs drawn into FILE
     python tools/bench.py --paged            only section 4, paged attention: a few minutes on a CPU
     python tools/bench.py --prefix           only section 5, prefix caching: a few minutes on a CPU
+    python tools/bench.py --paged-step       only section 6, a paged decode step at 64 rows: a minute or two
 
 1) The main workload: 16 requests per slot, all queued at once, prompts of 4-16 tokens, answers of
    long-tailed lengths, served continuous, static, and sequential (the engine with one slot), then
@@ -18,6 +19,8 @@ The benchmark: continuous batching against static and sequential, timed, on seed
    on the demo's, and the block tables' price.
 5) --prefix, on its own: requests that share a system prompt, with the prefix cache and without, in
    the same pool, arriving in a stream and all at once.
+6) --paged-step, on its own: a decode step of 64 rows of short sequences, paged against per slot, timed
+   in whole runs of generate and step by step: the two ways of measuring it side by side.
 """
 import argparse
 import math
@@ -52,6 +55,8 @@ def bench(args):
         return paged_attention(model, args)
     if args.prefix:
         return prefix_caching(model, args)
+    if args.paged_step:
+        return paged_step(model, args)
     requests = main_workload(model, args, args.slots)
     runs = [("continuous", args.slots, "continuous", args.prefill_chunk, False, None, False),
             ("static", args.slots, "static", args.prefill_chunk, False, None, False),
@@ -488,6 +493,73 @@ def prefix_caching(model, args):
     return []
 
 
+# ---------------------------------------------------------------------------------------------
+# 6) --paged-step: one decode step at 64 rows of short sequences, per slot and paged, timed two ways
+
+STEP_ROWS, STEP_PROMPT, STEP_NEW = 64, 48, 6  # requests (and rows), their prompts' tokens, new tokens each
+
+
+def paged_step(model, args, n_runs=2, n_rounds=15):
+    """A decode step of STEP_ROWS rows of short sequences, paged against per slot, timed two ways.
+    Whole runs: STEP_ROWS requests of STEP_PROMPT random tokens and STEP_NEW new ones each, served per
+    slot (STEP_ROWS slots of max_len) and paged (the blocks they need and STEP_ROWS more), the two in
+    turn n_runs times; a run's figure is the median model_s of its steps that feed no prompt token
+    while every row runs, a way's the smaller of its runs'. Step by step: those same steps
+    (StepReport.packed) again, on caches that their prefill filled, a step each way in turn over
+    n_rounds rounds; then block_table_price's step, every row at position 47, on the same caches."""
+    max_len, block_size, V = args.max_len or model.config.block_size, args.kv_block_size, model.config.vocab_size
+    rng, device = random.Random(args.seed), model.lm_head.weight.device
+    requests = [Request([rng.randrange(V) for _ in range(STEP_PROMPT)], STEP_NEW) for _ in range(STEP_ROWS)]
+    n_blocks = STEP_ROWS * math.ceil((STEP_PROMPT + STEP_NEW) / block_size) + STEP_ROWS
+    print(f"paged step: {STEP_ROWS} requests of {STEP_PROMPT} random tokens, {STEP_NEW} new tokens each (decode "
+          f"steps at positions {STEP_PROMPT}-{STEP_PROMPT + STEP_NEW - 2}), GPT-2 {model.config.n_layer} layers, "
+          f"{args.device}, {args.dtype}, {torch.get_num_threads()} threads; per slot {STEP_ROWS} slots of "
+          f"max_len={max_len}, paged {n_blocks} blocks of {block_size} (the requests' and {STEP_ROWS} more)")
+    ways = {"per slot": dict(max_len=max_len), "paged": dict(kv_blocks=n_blocks, kv_block_size=block_size)}
+
+    # 1) Whole runs, in turn: each run's median over its steps of decoding alone with every row running.
+    medians, reports = {way: [] for way in ways}, {}
+    for i in range(n_runs):
+        for way in (list(ways) if i % 2 == 0 else list(ways)[::-1]):  # per slot first in odd runs
+            reports[way] = []
+            generate(model, requests, n_slots=STEP_ROWS, eos_id=None, on_step=reports[way].append, **ways[way])
+            decoding = [r.model_s for r in reports[way] if r.n_prompt_tokens == 0 and r.n_running == STEP_ROWS]
+            medians[way].append(statistics.median(decoding))
+    print(f"\nwhole runs, in turn: the median model_s of each run's {len(decoding)} steps that feed no prompt "
+          f"token while all {STEP_ROWS} rows run (ms)")
+    for way, figures in medians.items():
+        print(f"  {way:10}" + "".join(f"{1e3 * seconds:>9.1f}" for seconds in figures))
+    print(f"  paged / per slot, the smaller run of each: {min(medians['paged']) / min(medians['per slot']):.2f}x; "
+          f"run by run: " + ", ".join(f"{paged / per_slot:.2f}x"
+                                      for per_slot, paged in zip(medians["per slot"], medians["paged"])))
+
+    # 2) The same steps, each per slot and paged in turn, on caches that the runs' prefill step filled.
+    model_py.check_cache_fits(model.config, STEP_ROWS, max_len, device, model.lm_head.weight.dtype)
+    caches = {"per slot": model.new_cache(STEP_ROWS, max_len), "paged": model.new_cache(n_blocks, block_size)}
+    with torch.no_grad():
+        for way, cache in caches.items():
+            model.forward_packed(reports[way][0].packed, cache)  # the prefill: every prompt in one step
+    steps = {f"position {r.packed.positions[0]}": {way: reports[way][i].packed for way in ways}
+             for i, r in enumerate(reports["per slot"]) if r.n_prompt_tokens == 0}
+    # block_table_price's step at 48 keys: three whole blocks a row, its block s + 64 b taken from the same pool.
+    steps["position 47, block_table_price's"] = {"per slot": decode_step(model, [47] * STEP_ROWS),
+                                                 "paged": decode_step(model, [47] * STEP_ROWS, block_size)}
+    print(f"\nstep by step, in turn (ms: the median of {n_rounds} rounds, a step each way, the order swapped each "
+          f"round; paged / per slot: the median of the rounds and their range)")
+    for name, packed in steps.items():
+        seconds = {way: [] for way in ways}
+        for i in range(1 + n_rounds):  # the first round warms up
+            for way in (list(ways) if i % 2 else list(ways)[::-1]):
+                seconds[way].append(timed_forward(model, packed[way], caches[way]))
+        ratios = [paged / per_slot for per_slot, paged in zip(seconds["per slot"][1:], seconds["paged"][1:])]
+        keys = packed["paged"].one_token_mask.size(-1)
+        print(f"  {name} ({keys} keys, {math.ceil(keys / block_size)} blocks):".ljust(58) +
+              f"{1e3 * statistics.median(seconds['per slot'][1:]):7.1f} / "
+              f"{1e3 * statistics.median(seconds['paged'][1:]):7.1f}  {statistics.median(ratios):.2f}x "
+              f"({min(ratios):.2f}-{max(ratios):.2f})", flush=True)
+    return []
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="tools/bench.py", description="continuous vs static vs sequential, timed")
     parser.add_argument("--requests", type=positive(int), metavar="N", help="the main workload's (16 per slot)")
@@ -500,6 +572,8 @@ def main(argv=None):
                       "memory (--slots slots of --max-len, or --kv-blocks blocks), and the block tables' price")
     only.add_argument("--prefix", action="store_true", help="only section 5: a shared system prompt, with the prefix "
                       "cache and without, in one pool (--kv-blocks, 512; --slots, 16)")
+    only.add_argument("--paged-step", action="store_true", help="only section 6: a decode step of 64 rows of short "
+                      "sequences, paged against per slot, timed in whole runs and step by step")
     parser.add_argument("--svg", metavar="FILE", type=checked_path, help="the belt drawn into FILE: continuous, "
                         "static (and disaggregated), then the long-prompt runs with their step durations")
     typed, args = nanobatch.parse_args(parser, argv, nanobatch.SERVING | {"quick", "weights"})
@@ -517,6 +591,10 @@ def main(argv=None):
         if args.disaggregate or args.svg:
             parser.error(f"--{'disaggregate' if args.disaggregate else 'svg'} does not apply to --prefix")
         args.slots = args.slots if "slots" in typed else 16
+    elif args.paged_step:
+        for name in [name for name in ("slots", "kv_blocks", "prefill_chunk", "disaggregate", "requests",
+                                       "arrival_rate", "svg") if typed.get(name) not in (None, False)]:
+            parser.error(f"--{name.replace('_', '-')} does not apply to --paged-step, which runs its own workload")
     elif "kv_blocks" in typed:  # the other sections' runs reserve per slot
         parser.error("--kv-blocks applies to --paged and --prefix only")
     groups = nanobatch.run_cli(bench, args)
