@@ -173,10 +173,10 @@ def slot_positions(cache, gathered, block_tables, slots, L):
 
 # A paged one-token call reads its slots in groups, each group's copies (keys and values) about this
 # many bytes, so that attention reads them from the CPU's caches, not from memory. Measured on a
-# 2-core AMD EPYC VM with AVX-512 (2 MB of L2 a core, 32 MB of L3), GPT-2 124M in float32, 64 rows of
-# 49-53 keys (8 MB: 4 groups of 16 slots): a paged decode step 0.99x a per-slot step, against 1.05x
-# in one call; 4 MB, 1.03x (docs/benchmarks.md). On a GPU, one group: a launch costs more there than
-# a copy read again (an estimate, not measured).
+# 2-core AMD EPYC VM with AVX-512 (1 MB of L2 a core, 32 MB of L3), GPT-2 124M in float32, 64 rows of
+# 49 keys (4 groups of 16 slots, 6.3 MB each): a paged decode step 0.97-1.02x a per-slot step, against
+# 1.06-1.10x in one call (tools/bench.py --paged-step; docs/benchmarks.md). On a GPU, one group: a
+# launch costs more there than a copy read again (an estimate, not measured).
 PAGED_GROUP_BYTES = {"cpu": 8_000_000, "gpu": math.inf}
 
 
