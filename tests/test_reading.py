@@ -140,7 +140,8 @@ def test_the_banners_and_the_docstring_name_every_part():
     assert "Part 5, serving live" in docstring and banners[-1].startswith("# Part 5, serving live")
 
 
-TOOLS = ["bench.py", "verify.py", "belt_svg.py", "explore.py", "explore.html", "gpu_check.sh", "load.py"]
+TOOLS = ["bench.py", "verify.py", "belt_svg.py", "explore.py", "explore.html", "gpu_check.sh", "load.py", "load_http.py",
+         "serve.py", "serve.html"]
 
 
 def stated_counts():
@@ -153,6 +154,7 @@ def stated_counts():
         (r"\*\*Part 3, paged attention\*\* \((\d+) lines", [part_lines(3)]),
         (r"\*\*Part 4, prefix caching\*\* \((\d+) lines", [part_lines(4)] if "# Part 4," in NANOBATCH.read_text()
          else None),
+        (r"\*\*Part 5, serving live\*\* \((\d+) lines", [part_lines(5)]),
         (r"\| `model.py` \| (\d+) \|", [n_lines("model.py")]),
         (r"\| `test_nanobatch.py` \| (\d+) \|", [n_lines("test_nanobatch.py")]),
         (r"\| `tests/` \| (\d+) \|", [sum(n_lines(path.relative_to(REPO)) for path in (REPO / "tests").glob("*.py"))]),
