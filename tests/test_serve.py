@@ -500,7 +500,10 @@ def test_ctrl_c_aborts_what_is_in_flight_and_exits_0(tmp_path):
         clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(3)]
         for thread in clients:
             thread.start()
-        wait_until(lambda: metric(host, port_number, "nanobatch:num_requests_waiting") >= 2)
+        # All three in: one in the slot, two waiting (the waiting gauge counts a request from its submission,
+        # the running one from the step that admits it, so two waiting alone may be the first two, not yet run).
+        wait_until(lambda: metric(host, port_number, "nanobatch:num_requests_running") == 1 and
+                   metric(host, port_number, "nanobatch:num_requests_waiting") == 2)
         process.send_signal(signal.SIGINT)
         sent = time.monotonic()
         assert process.wait(timeout=TIMEOUT_S) == 0

@@ -197,6 +197,8 @@ class Engine:
         self.finished = dict.fromkeys(("stop", "length", "abort"), 0)  # request_success_total by finished_reason
         self.watchers = []  # a queue per /steps client: each step's event, as JSON
         self.shown = {}  # request index -> the page's data of it (letter, colour, prompt length, id), in flight
+        self.n_replying = 0  # completions whose handler has not ended its reply: stop lets them end it
+        self.all_replied = threading.Condition(self.lock)
 
     def completion_id(self, request_index):
         return f"cmpl-{self.boot}-{request_index}"
@@ -216,6 +218,7 @@ class Engine:
                 raise bad(str(e), "prompt") from None
             self.queued.add(stream.request_index)
             self.prompt_lengths[stream.request_index] = len(request.prompt)
+            self.n_replying += 1  # until its handler calls replied()
             self.shown[stream.request_index] = dict(explore.request_data(stream.request_index, request),
                                                     id=self.completion_id(stream.request_index))
         return stream
@@ -286,6 +289,12 @@ class Engine:
         lines += [f'nanobatch:request_success_total{{{label},finished_reason="{reason}"}} {n}'
                   for reason, n in finished.items()]
         return "\n".join(lines) + "\n"
+
+    def replied(self):
+        """A completion's handler has ended its reply (or given up on its client)."""
+        with self.lock:
+            self.n_replying -= 1
+            self.all_replied.notify_all()
 
     def stop(self):
         """Ctrl-C or SIGTERM: take no more requests, abort those in flight (their streams end), end /steps."""
@@ -414,6 +423,14 @@ class Handler(BaseHTTPRequestHandler):
         request, stream_it, include_usage, return_ids = parse_completion(
             self.read_body(), engine.model_name, engine.model.config.vocab_size, engine.max_len, engine.tokenizer)
         stream = engine.submit(request)
+        try:
+            self.reply(request, stream, stream_it, include_usage, return_ids)
+        finally:
+            engine.replied()
+
+    def reply(self, request, stream, stream_it, include_usage, return_ids):
+        """The completion's reply, as its Stream's tokens come: one JSON at the end, or an event a token."""
+        engine = self.engine
         reply = {"id": engine.completion_id(stream.request_index), "object": "text_completion",
                  "created": int(time.time()), "model": engine.model_name}
         with_ids = return_ids or engine.tokenizer is None  # offline, token_ids carries the answer
@@ -573,6 +590,8 @@ def start(args):
 def stop(engine):
     """Take no more requests, abort those in flight (their streams end), then close the HTTP server."""
     engine.stop()
+    with engine.lock:  # each aborted stream's end written before the process may exit; a client that reads
+        engine.all_replied.wait_for(lambda: engine.n_replying == 0, timeout=2)  # nothing holds it 2 s at most
     engine.httpd.shutdown()
     engine.httpd.server_close()
     engine.http_thread.join(timeout=5)
