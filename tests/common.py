@@ -230,3 +230,46 @@ def worker_threads():
 
 def on_worker():
     return threading.current_thread().name == WORKER
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/load.py --quick's runs, made once for the session: tests/test_load.py and Labs 10 and 12 read them
+
+
+def quietly(function, *args):
+    """function(*args), what it printed -> (its result, the lines it printed)."""
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        result = function(*args)
+    return result, printed.getvalue()
+
+
+@pytest.fixture(scope="session")
+def smallest():
+    import load  # tools/load.py, on the path above
+    return load.GPT(load.SMALLEST).eval()
+
+
+@pytest.fixture(scope="session")
+def workload():
+    import load
+    return load.draw(0, load.N_REQUESTS, load.SMALLEST.vocab_size)
+
+
+def saturated(model, workload, n_slots):
+    """The tool's saturation table for n_slots -> (predicted, measured, what it printed)."""
+    import load
+    predicted = load.predict(workload, n_slots)
+    measured, printed = quietly(load.saturations, model, workload, n_slots, predicted)
+    return predicted, measured, printed
+
+
+@pytest.fixture(scope="session")
+def at_8(smallest, workload):
+    return saturated(smallest, workload, 8)
+
+
+@pytest.fixture(scope="session")
+def knee(smallest, workload):
+    """The sweep's lines Labs 10 and 12 show: static at 0.4 and 0.8 a step, continuous at 0.4 and 0.8."""
+    import load
+    return quietly(load.sweep, smallest, workload, 8, {"static": [0.4, 0.8], "continuous": [0.4, 0.8]}, False)

@@ -4,7 +4,8 @@ them by name. And two hooks: the command-line runs of tests/test_cli.py start be
 beside the others, and are waited for at the end."""
 import sys
 
-from tests.common import gpt, gpt2_vocab, gpt_on, offline, quick_demo  # noqa: F401 (fixtures, found by name)
+from tests.common import (at_8, gpt, gpt2_vocab, gpt_on, knee, offline, quick_demo, smallest,  # noqa: F401
+                          workload)  # fixtures, found by name
 
 
 def pytest_runtestloop(session):

@@ -10,7 +10,6 @@ import importlib
 import inspect
 import io
 import itertools
-import math
 import re
 import shlex
 import statistics
@@ -1177,7 +1176,7 @@ def test_lab_11_the_system_prompt(monkeypatch):
 # Lab 12: serving live
 
 
-def test_lab_12_serving_live():
+def test_lab_12_serving_live(at_8, knee):
     """(1) The lab's snippet, run here: A, cancelled from on_step at the end of step 3 (its 4th token),
     leaves at step 4, told abort with its 4 tokens, and D, first in line, takes its slot 0 in that very
     step (2 steps sooner than uncancelled), E B's at step 6 (3 sooner); every answer is the list form's,
@@ -1230,13 +1229,11 @@ def test_lab_12_serving_live():
     says(section, r"the server's handler, which looks every ([\d.]+) s, sees its client gone", serve.POLL_S)
 
     # (2) Static past its saturation, in steps: the tool's saturation table, and its static runs at the excerpt's rates.
-    model = load.GPT(load.SMALLEST).eval()
-    workload = load.draw(0, load.N_REQUESTS, load.SMALLEST.vocab_size)  # load.py --quick's, seed 0
+    # load.py --quick's runs (seed 0), made once for the session (tests/common.py): the rates the excerpt shows.
     rates = [float(rate) for rate in re.findall(r"^static +(\d\.\d\d) ", excerpts[1], re.M)]
-    with contextlib.redirect_stdout(io.StringIO()) as printed, contextlib.redirect_stderr(io.StringIO()):
-        measured = load.saturations(model, workload, 8, load.predict(workload, 8))
-        curves = load.sweep(model, workload, 8, {"static": rates}, False)
-    printed_all(1, printed.getvalue())
+    (_, measured, printed_table), (curves, printed_sweep) = at_8, knee
+    assert rates == [rate for rate, _ in curves["static"]], "the session's sweep has not the excerpt's rates"
+    printed_all(1, printed_table + printed_sweep)
     mu, static = round(measured["static"], 3), dict(curves["static"])
     half = load.N_REQUESTS // 2
     says(section, r"Static completes μ = ([\d.]+) requests a step", mu)
