@@ -12,10 +12,13 @@ import gc
 import io
 import math
 import random
+import shutil
 import sys
+import tempfile
 import threading
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -273,3 +276,36 @@ def knee(smallest, workload):
     """The sweep's lines Labs 10 and 12 show: static at 0.4 and 0.8 a step, continuous at 0.4 and 0.8."""
     import load
     return quietly(load.sweep, smallest, workload, 8, {"static": [0.4, 0.8], "continuous": [0.4, 0.8]}, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs in a process of their own (a command line, a server to Ctrl-C), started as the session does, beside
+# the tests in this process (conftest.py's hooks): mostly they wait for Python and torch to start, and torch
+# here uses one core of two. A test registers its run in IN_BACKGROUND and reads it through `ran`.
+
+IN_BACKGROUND = {}  # test name -> its run: a function of a folder of its own, which returns what the test reads
+BACKGROUND = SimpleNamespace(runs={}, folder=None, threads=None)  # the runs started, in a folder of their own
+
+
+def start_in_background(tests):
+    """Start the runs of these tests (names) that have not started."""
+    if BACKGROUND.threads is None:
+        BACKGROUND.folder = Path(tempfile.mkdtemp(prefix="nanobatch-runs-"))
+        BACKGROUND.threads = ThreadPoolExecutor(max(1, len(IN_BACKGROUND)), thread_name_prefix="nanobatch run")
+    for test in set(tests) & IN_BACKGROUND.keys() - BACKGROUND.runs.keys():
+        (folder := BACKGROUND.folder / test).mkdir()
+        BACKGROUND.runs[test] = BACKGROUND.threads.submit(IN_BACKGROUND[test], folder)
+
+
+def stop_background():
+    """At the session's end: wait for the runs still going (each ends within its timeouts), remove the folder."""
+    if BACKGROUND.threads is not None:
+        BACKGROUND.threads.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(BACKGROUND.folder, ignore_errors=True)
+
+
+@pytest.fixture
+def ran(request):
+    """What the test's run gave back (or raised): started as the session began, or now."""
+    start_in_background([request.node.originalname])
+    return BACKGROUND.runs[request.node.originalname].result(timeout=300)

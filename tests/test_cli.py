@@ -4,21 +4,16 @@ said in one line, a broken loop's traceback kept, a closed pipe and Ctrl-C; and 
 dry run on the CPU.
 """
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 import model as model_py
 import nanobatch
 from model import GPT
-from tests.common import REPO
+from tests.common import IN_BACKGROUND, REPO
 from tests.test_belt_svg import drawn_panels  # the picture parsed back
 import belt_svg  # noqa: E402 (tools/, put on the path by tests.common)
 import bench  # noqa: E402
@@ -97,33 +92,8 @@ def ctrl_c_at_step_3(folder):
         process.kill()
 
 
-IN_BACKGROUND = {"test_cli_demo_quick": demo_to_svg, "test_cli_closed_pipe_ends_quietly": head_3,
-                 "test_cli_ctrl_c_shows_the_figures_so_far": ctrl_c_at_step_3}  # test -> its run
-BACKGROUND = SimpleNamespace(runs={}, folder=None, threads=None)  # the runs started, in a folder of their own
-
-
-def start_in_background(tests):
-    """Start the runs of these tests (names) that have not started."""
-    if BACKGROUND.threads is None:
-        BACKGROUND.folder = Path(tempfile.mkdtemp(prefix="nanobatch-cli-"))
-        BACKGROUND.threads = ThreadPoolExecutor(len(IN_BACKGROUND), thread_name_prefix="nanobatch cli run")
-    for test in set(tests) & IN_BACKGROUND.keys() - BACKGROUND.runs.keys():
-        (folder := BACKGROUND.folder / test).mkdir()
-        BACKGROUND.runs[test] = BACKGROUND.threads.submit(IN_BACKGROUND[test], folder)
-
-
-def stop_background():
-    """At the session's end: wait for the runs still going (each ends within its timeouts), remove the folder."""
-    if BACKGROUND.threads is not None:
-        BACKGROUND.threads.shutdown(wait=True, cancel_futures=True)
-        shutil.rmtree(BACKGROUND.folder, ignore_errors=True)
-
-
-@pytest.fixture
-def ran(request):
-    """What the test's command-line run gave back: started as the session began, or now."""
-    start_in_background([request.node.originalname])
-    return BACKGROUND.runs[request.node.originalname].result(timeout=300)
+IN_BACKGROUND.update({"test_cli_demo_quick": demo_to_svg, "test_cli_closed_pipe_ends_quietly": head_3,
+                      "test_cli_ctrl_c_shows_the_figures_so_far": ctrl_c_at_step_3})  # test -> its run (tests/common.py)
 
 
 def test_cli_demo_quick(ran):

@@ -32,7 +32,7 @@ import pytest
 import serve
 from model import GPT
 from nanobatch import EOT, Request, generate_sequential
-from tests.common import REPO, TIMEOUT_S, ends_within
+from tests.common import IN_BACKGROUND, REPO, TIMEOUT_S, ends_within
 
 ENGINE_OPTIONS = ["--quick", "--port", "0", "--dtype", "float64", "--slots", "4", "--max-len", "48",
                   "--kv-blocks", "40", "--kv-block-size", "4", "--prefix-cache"]
@@ -474,20 +474,18 @@ def test_text_comes_a_piece_per_token_never_splitting_a_character(tokens):
 # 6) Ctrl-C, in a process of its own
 
 
-def test_ctrl_c_aborts_what_is_in_flight_and_exits_0(tmp_path):
-    """The address printed alone on a line once it serves; SIGINT with one request in the one slot and two
-    waiting: every stream ends, the waiting ones (at least) with "abort", then [DONE], and the process exits
-    0 within a couple of seconds. (A process of its own, since a signal goes to a whole process: it starts
-    Python and torch again, about 2 s of the suite.)"""
+def ctrl_c_in_flight(folder):
+    """tools/serve.py in a process of its own (a signal goes to a whole process), one slot, three streaming
+    clients: once one runs and two wait, SIGINT -> (the line it printed first, its exit status, the seconds
+    from the signal to its exit, each client's events)."""
     command = [sys.executable, str(REPO / "tools" / "serve.py"), "--quick", "--port", "0", "--slots", "1"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                               env={**os.environ, "NANOBATCH_CACHE": str(tmp_path), "OMP_NUM_THREADS": "1",
+                               env={**os.environ, "NANOBATCH_CACHE": str(folder), "OMP_NUM_THREADS": "1",
                                     "https_proxy": "http://127.0.0.1:9"})  # offline at once, as tests/test_cli.py
     try:
         lines = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
         address = lines.get(timeout=TIMEOUT_S).strip()
-        assert address.startswith("http://127.0.0.1:") and address.endswith("/"), address
         host, port_number = address[len("http://"):-1].split(":")
         streams = [None] * 3
 
@@ -506,15 +504,30 @@ def test_ctrl_c_aborts_what_is_in_flight_and_exits_0(tmp_path):
                    metric(host, port_number, "nanobatch:num_requests_waiting") == 2)
         process.send_signal(signal.SIGINT)
         sent = time.monotonic()
-        assert process.wait(timeout=TIMEOUT_S) == 0
-        assert time.monotonic() - sent < 5, "it took over 5 s to stop"  # about 0.5 s here; a loaded machine, more
+        status = process.wait(timeout=TIMEOUT_S)
+        stopped_s = time.monotonic() - sent
         for thread in clients:
             thread.join(TIMEOUT_S)
-        reasons = sorted(chunks[-2]["choices"][0]["finish_reason"] for chunks in streams)
-        assert all(chunks[-1] == "[DONE]" for chunks in streams) and reasons[1:] == ["abort", "abort"], reasons
+        return address, status, stopped_s, streams
     finally:
         process.kill()
         process.wait()
+
+
+IN_BACKGROUND["test_ctrl_c_aborts_what_is_in_flight_and_exits_0"] = ctrl_c_in_flight  # started with the session
+
+
+def test_ctrl_c_aborts_what_is_in_flight_and_exits_0(ran):
+    """The address printed alone on a line once it serves; SIGINT with one request in the one slot and two
+    waiting: every stream ends, the waiting ones (at least) with "abort", then [DONE], and the process exits
+    0 within a couple of seconds. (Its run starts Python and torch again: it starts with the session, beside
+    the other tests, as tests/common.py's IN_BACKGROUND says.)"""
+    address, status, stopped_s, streams = ran
+    assert address.startswith("http://127.0.0.1:") and address.endswith("/"), address
+    assert status == 0
+    assert stopped_s < 5, "it took over 5 s to stop"  # about 0.5 s here; a loaded machine, more
+    reasons = sorted(chunks[-2]["choices"][0]["finish_reason"] for chunks in streams)
+    assert all(chunks[-1] == "[DONE]" for chunks in streams) and reasons[1:] == ["abort", "abort"], reasons
 
 
 def metric(host, port_number, name):
