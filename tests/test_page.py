@@ -686,9 +686,10 @@ PLANTED = {  # a defect: (the style or the script, the text as written, the text
                            "for (const block of []) blocks[block].keptFor"),
     "kept from the step before": ("script", "for (const block of step.cached_free) blocks[block].keptFor",
                                   "for (const block of (before ?? step).cached_free) blocks[block].keptFor"),
-    "hits taken for evictions": ("script", "block.holders.length && !block.foundBy.length", "block.holders.length"),
-    "evictions against this step's kept": ("script", "new Set(before === null ? [] : before.cached_free)",
-                                           "new Set(step.cached_free)"),
+    "evictions from the step before": ("script", "for (const block of step.evicted) blocks[block].evictedFrom",
+                                       "for (const block of (before ?? step).evicted) blocks[block].evictedFrom"),
+    "evictions left undrawn": ("script", "for (const block of step.evicted) blocks[block].evictedFrom",
+                               "for (const block of []) blocks[block].evictedFrom"),
     "found left out of the events": ("script", '(step.found_cached[a] ? `(${step.found_cached[a]} found)` : "")', '""'),
     "found left out of the captions": ("script", 'return n ? `positions ${span(0, n - 1)} found cached` : "";',
                                        'return "";'),
@@ -738,8 +739,8 @@ PLANTED_ON = {
     "kept painted as held": "prefix cache", "free counted in requests": "paged",
     "free counted in table entries": "prefix cache", "freed from this step's tables": "paged",
     "preemptions left out of the line": "paged", "kept drawn as free": "prefix cache",
-    "kept from the step before": "prefix cache", "hits taken for evictions": "prefix cache",
-    "evictions against this step's kept": "prefix cache", "found left out of the events": "prefix cache",
+    "kept from the step before": "prefix cache", "evictions from the step before": "prefix cache",
+    "evictions left undrawn": "prefix cache", "found left out of the events": "prefix cache",
     "found left out of the captions": "prefix cache", "found blocks from the table's end": "prefix cache",
     "an answer's first token a prompt token": "continuous", "every row sampled": "static",
     "a block's positions one past its end": "paged", "a block's positions from its number": "paged",
@@ -1440,9 +1441,8 @@ def test_the_prefix_cache_worked_by_hand(by_hand):
 def test_a_shared_block_a_kept_one_and_an_eviction_as_drawn(probed):
     """At step 11 of the prefix cache worked by hand, block 0 is listed by D and F, both named; blocks 2, 3, 5
     are kept, B's; at step 10, block 4 was evicted, A's keys, now E's; at step 5, B found its own blocks.
-    Planted: kept blocks drawn as free, or as the step before left them; a block found taken for one
-    evicted; the evictions looked for in this step's kept blocks, not the step before's; the blocks found
-    read from the end of the table; a shared block drawn for one holder."""
+    Planted: kept blocks drawn as free, or as the step before left them; the evictions drawn a step late,
+    or not at all; the blocks found read from the end of the table; a shared block drawn for one holder."""
     looks = dict(zip([link for link, _, _ in probed.links], probed.looked["as written"]))
     blocks = {block["block"]: block for block in looks["run=prefix cache&step=11"]["blocks"]}
     assert (blocks[0]["request"], blocks[0]["label"]) == ("3 5", "block 0: shared by D, F, found")
@@ -1460,7 +1460,7 @@ def test_a_shared_block_a_kept_one_and_an_eviction_as_drawn(probed):
     assert "+D(2 found)its positions 0-1 in block 0, kept as C left after step 7" in \
         looks["run=prefix cache&step=10"]["foundLine"]
     check_planted(check_prefix_cache, probed, "kept drawn as free", "kept from the step before",
-                  "hits taken for evictions", "evictions against this step's kept", "found blocks from the table's end",
+                  "evictions from the step before", "evictions left undrawn", "found blocks from the table's end",
                   "one holder per block")
 
 

@@ -107,8 +107,9 @@ def step_data(report, occupant, tokenizer=None, max_cells=None):
         # blocks (per slot, [slot]); the positions written this step are the rows' own
         occupants=report.occupants, n_cached=report.n_cached, block_tables=report.block_tables,
         kv_used=report.kv_used, preempted=report.preempted,  # Part 3: sent back to the queue in phase 3
-        # Part 4: the positions each admitted request found cached, and the free blocks that keep their keys
-        found_cached=report.found_cached, cached_free=report.cached_free)
+        # Part 4: the positions each admitted request found cached, the free blocks that keep their keys, and
+        # the kept blocks this step's new work took (evicted: the engine's record, none without a prefix cache)
+        found_cached=report.found_cached, cached_free=report.cached_free, evicted=report.evicted or [])
 
 
 def run_data(run, requests, completions, reports, tokenizer=None):
