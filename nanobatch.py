@@ -2,14 +2,14 @@
 nanobatch: continuous batching (iteration-level scheduling) for GPT-2, in one loop, read in five Parts.
 
 Part 1, continuous batching: a belt of slots, each holding one sequence's keys and values in the KV cache, and the
-loop, `generate`, in phases 0 to 7; static batching is the same loop with one decision changed (`slots_to_fill`). The
-loop asks three helpers the same questions in every mode (listed above SlotBlocks); each later Part answers some
-another way. Part 2, disaggregated prefill: a PrefillWorker thread prefills prompts on hardware of its own. Part 3,
-paged attention: a BlockPool holds the cache as small blocks. Part 4, prefix caching: a PrefixCache keeps full blocks
-for later requests. Part 5, serving live: LiveRequests takes requests from other threads while the loop runs and
-streams each token to its caller, who may cancel. Below, under banners: the input checks, figures and step reports,
-the command line. Shapes in comments use model.py's legend: S slots, M tokens packed into a step, D of them one-token
-rows, T tokens of one prompt chunk, L cache positions attended over, R rows sampled, V vocabulary.
+loop, `generate`, in phases 0 to 7; static batching is the same loop with one decision changed (`slots_to_fill`; its
+empty slots padded). The loop asks three helpers the same questions in every mode (listed above SlotBlocks), which
+later Parts answer another way. Part 2, disaggregated prefill: a PrefillWorker thread prefills prompts on a GPU, CUDA
+stream or CPU threads of its own. Part 3, paged attention: a BlockPool holds the cache as small blocks. Part 4, prefix
+caching: a PrefixCache keeps full blocks for later requests. Part 5, serving live: LiveRequests takes requests from
+other threads while the loop runs, streams each token to its caller, who may cancel it. Below, under banners: input
+checks, figures, step reports, the command line. Shapes (model.py's legend): S slots, M tokens packed into a step, D
+of them one-token rows, T tokens of one prompt chunk, L positions attended over, R rows sampled, V vocabulary.
 """
 import argparse
 import math
@@ -240,7 +240,7 @@ def pack_step(work, padding_slots, n_slots, device, block_tables=None):
 #   the prompts' feeder, PrefillInLoop (Part 2: PrefillWorker): the step's prompt budget, send an admitted prompt,
 #     receive those prefilled elsewhere, and which it holds;
 #   the callers, RequestList (Part 5: LiveRequests): will more come, the next arrival's step, who has arrived,
-#     who has cancelled, and each new token to its caller (hear).
+#     who has cancelled, and each new token (or a cancel's end) to its caller (hear).
 
 class SlotBlocks:
     """The KV cache per slot: block s is slot s's, max_len positions kept for whoever sits there."""
@@ -250,11 +250,11 @@ class SlotBlocks:
         self.cache = model.new_cache(n_slots, max_len)  # the one large allocation, reused by every request
 
     def admit(self, run, slot, belt):  # seat run in the free slot -> whether it did: per slot, always
-        run.slot, run.block_table, belt[slot] = slot, [slot], run  # its block is the slot's, and waits for it
+        run.slot, run.block_table, belt[slot] = slot, [slot], run  # block s: the slot's own, there whenever it is free
         return True
 
-    def make_room(self, work, belt, waiting, prefill_chunk):  # -> (work, preempted); a pool short of blocks sends
-        return work, []  # runs back to waiting and plans again with prefill_chunk (Part 3); per slot, never
+    def make_room(self, work, belt, waiting, prefill_chunk):  # -> (work, preempted): per slot, room always
+        return work, []  # (Part 3: a pool short of blocks sends runs back to waiting, plans again with prefill_chunk)
 
     def vacate(self, run, belt):  # run leaves its slot, retired (Part 3: or preempted)
         self.cache.clear(run.block_table, run.n_cached)  # what it wrote, wiped: KVCache.clear says why
@@ -326,9 +326,9 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
              prefill_chunk=None, on_step=None, disaggregate=False, kv_blocks=None, kv_block_size=16,
              prefix_cache=False):
     """Serve requests through a belt of n_slots -> their Completions, in request order (Part 5: a LiveRequests, fed
-    while this runs, each caller holding its own). max_len: positions per slot (None: block_size). eos_id=None: never
-    stop on EOS. prefill_chunk: prompt tokens a step may take (None: no limit; disaggregated, a worker's forward).
-    on_step: given each StepReport. disaggregate: Part 2; kv_blocks, kv_block_size: Part 3; prefix_cache: Part 4."""
+    while this runs: each caller reads its Stream; this returns None). max_len: positions per slot (None: block_size).
+    eos_id=None: never stop on EOS. prefill_chunk: prompt tokens a step may take (None: no limit; disaggregated: each
+    forward of the worker). on_step: given each StepReport. The other options: Parts 2-4 (docs/api.md)."""
     max_len = model.config.block_size if max_len is None else max_len
     device = model.lm_head.weight.device
     is_live = isinstance(requests, LiveRequests)  # Part 5: each request is checked as it is submitted
@@ -347,7 +347,7 @@ def generate(model, requests, *, n_slots=8, max_len=None, eos_id=EOT, policy="co
     step = 0
     with torch.no_grad(), prompts:
         while waiting or any(belt) or callers.more_to_come():  # requests in hand, or (idle) one more to come
-            # 0) Nothing in a slot and nothing waiting: the clock moves on to the next arrival.
+            # 0) Nothing in a slot and nothing waiting: the clock moves on to the next arrival (Part 5: it stays).
             if not waiting and not any(belt):
                 step = callers.next_arrival(step)
             # 1) Arrivals join the queue. A request whose caller has gone (Part 5) leaves the queue, or its slot.
@@ -757,7 +757,7 @@ class LiveRequests:
 
     def __init__(self, model, **options):
         self.model, self.options, self.device = model, options, model.lm_head.weight.device
-        self.changed = threading.Condition()  # guards the three below; notified on a submission and the close
+        self.changed = threading.Condition()  # guards the next two lines; notified on a submission and the close
         self.submitted, self.n_submitted = deque(), 0  # Streams not taken in yet; request indices handed out
         self.is_closed, self.is_aborting, self.error = False, False, None
         self.started = threading.Event()  # set once generate has checked its arguments and made its cache
