@@ -13,11 +13,10 @@ Shape legend, used in every comment below and in nanobatch.py:
     V  vocabulary size                  R  rows whose logits are wanted
 
 `GPT.forward(idx)` is the textbook causal forward with no cache: the reference for everything else.
-`GPT.forward_packed(step, cache)` runs one step of the engine: M new tokens from any mix of slots,
-packed side by side, no padding between them. It writes their keys and values into the cache at (slot,
-position), through a block table when the cache is paged, and attends under masks that nanobatch.py
-builds: the caller owns the slots. Below the transformer: the attention cut, an optimisation
-nanobatch.py's pack_step applies; then the loading of real GPT-2 checkpoints.
+`GPT.forward_packed(step, cache)` runs one step of the engine: M new tokens from any mix of slots, packed side
+by side, no padding between them. It writes their keys and values into the cache at (slot, position), through
+a block table when the cache is paged, and attends under masks that nanobatch.py builds: the caller owns the
+slots. Below the transformer: the attention cut (an optimisation pack_step applies), then checkpoint loading.
 """
 import json
 import math
@@ -47,13 +46,11 @@ class GPTConfig:
 
 @dataclass
 class PackedStep:
-    """One engine step's tokens, packed: M tokens from any mix of slots, side by side, no padding
-    between them (the only filler rows are those a static batch asks for on purpose). Rows [0, D)
-    hold one token each, every one in a slot of its own, and attend together, in one call. The
-    other rows come in chunks, each attending over its own slot: consecutive tokens of one prompt
-    (or, past the step's attention_cut, one token of a long slot). Positions are a slot's own, 0 up;
-    where a position's keys live in the cache is block_tables' business (None: slot s is block s).
-    """
+    """One engine step's tokens, packed: M tokens from any mix of slots, side by side, no padding between them
+    (the only filler rows are those a static batch asks for on purpose). Rows [0, D) hold one token each, every
+    one in a slot of its own, and attend together, in one call. The other rows come in chunks, each attending
+    over its own slot: consecutive tokens of one prompt (or, past the step's attention_cut, one token of a long
+    slot). Positions are a slot's own, 0 up; block_tables say where their keys live (None: slot s is block s)."""
     tokens: torch.Tensor  # (M,) token ids
     positions: torch.Tensor  # (M,) each token's position in its slot
     slots: torch.Tensor  # (M,) each token's slot
@@ -93,9 +90,8 @@ class CausalSelfAttention(nn.Module):
         # Each cache (n_blocks, block_size, nh, hs), per slot (S, max_len, nh, hs), with the buffer that
         # a paged read gathers it into (slot_positions).
         (k_cache, k_gathered), (v_cache, v_gathered) = kv_cache
-        # Store the new keys and values first, so that a token can attend to itself: one write of
-        # M cells, each at its own (slot, position), or, paged, at the block and offset that its
-        # slot's block table gives the position.
+      # Store the new keys and values first, so that a token can attend to itself: one write of M cells, each at its
+      # own (slot, position), or, paged, at the block and offset that its slot's block table gives the position.
         if step.block_tables is None:
             blocks, offsets = step.slots, step.positions
         else:
@@ -104,13 +100,11 @@ class CausalSelfAttention(nn.Module):
         k_cache[blocks, offsets] = k
         v_cache[blocks, offsets] = v
         y = torch.empty_like(q)  # (M, nh, hs)
-        # One-token rows, in one call (paged, in groups), each query over its slot's first L positions,
-        # L the step's cut. Per slot the call reads the whole belt, a view of the cache: its query s is
-        # slot s's (so its queries are in slot order, not row order), and a slot with no row here gets a
-        # dummy query whose output is dropped. Gathering just the D slots' keys instead copies them and
-        # measured slower than this whole attention (GPT-2 124M, 8 slots, CPU). Paged, every slot read is
-        # a copy, so the call reads only the D slots with a row, in row order: D in place of S below.
-        # With 24 of 64 slots busy, that step costs 0.88x per slot's; reading all 64, 1.04x (docs/benchmarks.md).
+        # One-token rows, in one call (paged, in groups), each query over its slot's first L positions, L the
+        # step's cut. Per slot the call reads the whole belt, a view of the cache (a copy of just the D slots
+        # measured slower): query s is slot s's, and a slot with no row gets a dummy query, its output dropped.
+        # Paged, every slot read is a copy, so the call reads only the D slots with a row, in row order: D in
+        # place of S below (docs/benchmarks.md).
         D = step.n_one_token
         if D:
             L = step.one_token_mask.size(-1)
@@ -120,9 +114,7 @@ class CausalSelfAttention(nn.Module):
                 groups = [(slice(None), read_slots)]  # one group: every slot, one view
             else:
                 read_slots, places = one_token_slots, slice(None)
-                # A group of slots at a time, so that attention reads each group's copies while the
-                # CPU's caches still hold them (PAGED_GROUP_BYTES).
-                size = paged_group_size(D, L, k_cache, q.device)
+                size = paged_group_size(D, L, k_cache, q.device)  # its copies read back while cached
                 groups = [(slice(first, first + size), read_slots[first:first + size]) for first in range(0, D, size)]
             one_token_mask = step.one_token_mask[read_slots]  # (S, 1, L)
             queries = q.new_zeros(one_token_mask.size(0), self.n_head, 1, C // self.n_head)  # (S, nh, 1, hs)
@@ -154,36 +146,29 @@ class CausalSelfAttention(nn.Module):
 
 
 def slot_positions(cache, gathered, block_tables, slots, L):
-    """The first L positions of some slots, in position order: (n, L, nh, hs) from one layer's keys
-    (or values), cache (n_blocks, block_size, nh, hs). Per slot (block_tables None), block s is slot
-    s: a view, no copy. Paged (nanobatch Part 3), each slot's blocks are gathered in its block table's
-    order into a copy, `gathered`, since torch's attention wants a sequence's keys side by side; a
-    paged kernel (vLLM's) reads them where they lie. The copy costs what a per-slot read does not:
-    measured in docs/benchmarks.md."""
+    """The first L positions of some slots, in position order: (n, L, nh, hs) from one layer's keys (or values),
+    cache (n_blocks, block_size, nh, hs). Per slot (block_tables None), block s is slot s: a view, no copy.
+    Paged (Part 3), each slot's blocks are gathered in table order into a copy, `gathered`, since torch's
+    attention wants a sequence's keys side by side; a paged kernel (vLLM's) reads them where they lie."""
     if block_tables is None:
         return cache[slots, :L]
     n_blocks = -(-L // cache.size(1))  # the blocks that hold positions 0..L-1
     table = block_tables[slots, :n_blocks]  # (n, n_blocks)
-    # The KVCache keeps `gathered` from step to step, for every layer: a fresh copy (19 MB of keys at
-    # 64 rows of 96 positions) goes back to the system when freed, and is faulted in again, page by
-    # page, in every layer of every step. resize_(0) keeps its memory; index_select grows it if short.
+    # The KVCache keeps `gathered` from step to step: a fresh copy (19 MB of keys at 64 rows of 96 positions)
+    # went back to the system when freed, faulted in again in every layer. resize_(0) keeps its memory.
     torch.index_select(cache, 0, table.flatten(), out=gathered.resize_(0))  # (n * n_blocks, block_size, nh, hs)
     return gathered.view(table.size(0), -1, *cache.shape[2:])[:, :L]  # (n, L, nh, hs)
 
 
-# A paged one-token call reads its slots in groups, each group's copies (keys and values) about this
-# many bytes, so that attention reads them from the CPU's caches, not from memory. Measured on a
-# 2-core AMD EPYC VM with AVX-512 (1 MB of L2 a core, 32 MB of L3), GPT-2 124M in float32, 64 rows of
-# 49 keys (4 groups of 16 slots, 6.3 MB each): a paged decode step 0.97-1.02x a per-slot step, against
-# 1.06-1.10x in one call (tools/bench.py --paged-step; docs/benchmarks.md). On a GPU, one group: a
-# launch costs more there than a copy read again (an estimate, not measured).
+# A paged one-token call reads its slots in groups of about this many bytes of copied keys and values, read
+# back from the CPU's caches, not from memory: on a 2-core EPYC with AVX-512, 64 rows of 49 keys (4 groups of
+# 16), a paged step 0.97-1.02x a per-slot one, against 1.06-1.10x in one call (docs/benchmarks.md). On a GPU,
+# one group: a launch costs more there than a copy read again (an estimate, not measured).
 PAGED_GROUP_BYTES = {"cpu": 8_000_000, "gpu": math.inf}
 
 
 def paged_group_size(n_slots, L, cache, device):
-    """Slots in each group of a paged one-token call over n_slots slots' first L positions: groups of
-    equal size, as few as keep each group's copies (keys and values, whole blocks) about
-    PAGED_GROUP_BYTES."""
+    """Slots in each of as few equal groups as keep each group's copies within about PAGED_GROUP_BYTES."""
     slot_bytes = 2 * -(-L // cache.size(1)) * cache[0].numel() * cache.element_size()  # its blocks, k and v
     n_groups = max(1, math.ceil(n_slots * slot_bytes / PAGED_GROUP_BYTES["cpu" if device.type == "cpu" else "gpu"]))
     return math.ceil(n_slots / n_groups)
@@ -229,11 +214,10 @@ class KVCache:
         return (self.kv[i, 0], self.gathered[0]), (self.kv[i, 1], self.gathered[1])
 
     def clear(self, blocks, n_positions):
-        """Zero the first n_positions of a sequence held in these blocks, in order: what its request
-        wrote, as it leaves (per slot, blocks is [its slot]). The mask hides a previous occupant's keys,
-        but only by giving them weight 0, and 0 * NaN is NaN: one that overflowed would poison the
-        next. Zeroing only what was written, not the slot's whole max_len, keeps the cost
-        proportional to the work done."""
+        """Zero the first n_positions of a sequence held in these blocks, in order: what its request wrote, as it
+        leaves (per slot, blocks is [its slot]). The mask hides a previous occupant's keys, but only by giving them
+        weight 0, and 0 * NaN is NaN: one that overflowed would poison the next. Zeroing only what was written, not
+        the slot's whole max_len, keeps the cost proportional to the work done."""
         for first_position, block in zip(range(0, n_positions, self.kv.size(3)), blocks):
             self.kv[:, :, block, :n_positions - first_position].zero_()
 
@@ -247,10 +231,6 @@ class KVCache:
     @property
     def n_positions(self):  # what the cache can hold, all blocks together
         return self.kv.size(2) * self.kv.size(3)
-
-    @property
-    def nbytes(self):
-        return self.kv.numel() * self.kv.element_size()
 
 
 def available_memory(device):
@@ -337,16 +317,14 @@ class GPT(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # The attention cut: attention that follows the work (same results, less of it)
 #
-# The one-token rows attend in one call over every slot's first L positions, read as one view of
-# the cache with no copy. With L the longest row's length, one long request among short ones makes
-# every slot pay its length: 64 chat turns of 48 tokens beside one 940-token document read
-# 64 x 940 keys a layer, where the slots hold 63 x 48 + 940. A row attending alone over its own slot
-# reads only its own keys, but pays for a call of its own. nanobatch's pack_step cuts between
-# the two.
+# The one-token rows attend in one call over every slot's first L positions. With L the longest row's length,
+# one long request among short ones makes every slot pay its length: 64 chat turns of 48 tokens beside one
+# 940-token document read 64 x 940 keys a layer, where the slots hold 63 x 48 + 940. A row attending alone
+# reads only its own keys, but pays for a call of its own. nanobatch's pack_step cuts between the two.
 
-# What one more attention call costs, in keys it could read instead (a key: one position's keys and
-# values, every head). Measured on a 2-core CPU, GPT-2 124M in float32: about 150 keys. On a GPU, an
-# estimate, not measured: some 30 us of launches, in which an H200 (4.8 TB/s) reads 20,000 keys of 6 KB.
+# What one more attention call costs, in keys it could read instead (a key: one position's keys and values,
+# every head). On a 2-core CPU, GPT-2 124M in float32, measured: about 150 keys. On a GPU, an estimate, not
+# measured: some 30 us of launches, in which an H200 (4.8 TB/s) reads 20,000 keys of 6 KB.
 CALL_COST_IN_KEYS = {"cpu": 150, "gpu": 20_000}
 
 
@@ -363,12 +341,11 @@ def attention_cut(lengths, n_slots, device):
 
 
 def split_at_cut(feeds, n_slots, device):
-    """A step's feeds, each (run, slot, first position, token ids) as nanobatch.pack_step lays them out
-    -> (one_token, chunks, cut): the one-token feeds no longer than the cut, which attend together over
-    every slot's first `cut` positions, and the rest, which attend alone over their own slot: a prompt's
-    chunk, or the one token of a slot past the cut. Where the cut is the longest one-token feed's
-    length (its position + 1: no feed much longer than the others), every one-token feed attends
-    together, and the chunks are the prompts'."""
+    """A step's feeds, each (run, slot, first position, token ids) as nanobatch.pack_step lays them out ->
+    (one_token, chunks, cut): the one-token feeds no longer than the cut, which attend together over every
+    slot's first `cut` positions, and the rest, alone over their own slot: a prompt's chunk, or the one token
+    of a slot past the cut. Where the cut is the longest one-token feed's length (its position + 1), every
+    one-token feed attends together, and the chunks are the prompts'."""
     cut = attention_cut([position + 1 for _, _, position, ids in feeds if len(ids) == 1], n_slots, device)
     attends_together = [len(ids) == 1 and position < cut for _, _, position, ids in feeds]
     one_token = [feed for feed, together in zip(feeds, attends_together) if together]

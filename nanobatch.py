@@ -524,28 +524,24 @@ class PrefillWorker:
 # ---------------------------------------------------------------------------------------------
 # Part 3, paged attention: the cache as a pool of blocks
 #
-# Per slot, each slot reserves max_len positions for the longest answer it might give, and most never
-# hold a token. Paged (vLLM's PagedAttention), the cache is a pool of small blocks, and a request's
-# block table lists the blocks that hold its positions: position p lives at offset p % block_size of
-# block block_table[p // block_size]. A request takes a block when its tokens reach one and gives its
-# blocks back when it leaves: n_slots only caps how many requests step together. The mask does not
-# change: it speaks of positions, and the block table only says where a position's keys live
-# (model.attend_packed writes through it, model.slot_positions reads through it).
-# Which block is taken: the free blocks wait in a line, 0, 1, 2, ... at first; a step's feeds take the
-# blocks their new positions reach, in the step's order (plan_step's), each from the front of the line,
-# and a leaving request's blocks, wiped, join its back in table order. No block is nearer than another:
-# the order only makes a run predictable by hand. When a step needs a block and none is free, the most
-# recently admitted request still in a slot gives its blocks back (a bystander, perhaps, not the
-# request short of a block) and returns to the head of the queue with its tokens: preemption by
-# recompute, vLLM's default. It comes back in a later step, never the one that preempted it, into the
-# lowest free slot (not its old one), once admission's rule lets it; until then the queue behind it
-# waits. Taken in again, it feeds its prompt and answer again under the same prompt budget (Part 4:
-# only what it does not find), and its generator carries on. Admission counts, as vLLM's first
-# scheduler did (v0's can_allocate, with its watermark of free blocks), each request's whole sequence
-# so far and a little room to grow: without that room, a newcomer took the last free blocks and was
-# preempted a step or two later, when a decoding request reached a new block, to feed its prompt all
-# over again (measured in docs/benchmarks.md). A newcomer onto an empty belt gets no room: it grows
-# into blocks no one else wants, and the input checks saw to it that its whole sequence fits.
+# Per slot, each slot reserves max_len positions for the longest answer it might give, and most never hold a token.
+# Paged (vLLM's PagedAttention), the cache is a pool of small blocks, and a request's block table lists the blocks
+# that hold its positions: position p lives at offset p % block_size of block block_table[p // block_size]. A request
+# takes a block when its tokens reach one and gives its blocks back when it leaves: n_slots only caps how many
+# requests step together. The mask does not change: it speaks of positions, and the block table only says where a
+# position's keys live (model.attend_packed writes through it, model.slot_positions reads through it). Which block is
+# taken: the free blocks wait in a line, 0, 1, 2, ... at first; a step's feeds take the blocks their new positions
+# reach, in the step's order (plan_step's), each from the front of the line, and a leaving request's blocks, wiped,
+# join its back in table order. No block is nearer than another: the order only makes a run predictable by hand. When
+# a step needs a block and none is free, the most recently admitted request still in a slot gives its blocks back (a
+# bystander, perhaps, not the request short of a block) and returns to the head of the queue with its tokens:
+# preemption by recompute, vLLM's default. It comes back in a later step, never the one that preempted it, into the
+# lowest free slot (not its old one), once admission's rule lets it; until then the queue behind it waits. Taken in
+# again, it feeds its prompt and answer again under the same prompt budget (Part 4: only what it does not find), and
+# its generator carries on. Admission counts, as vLLM's v0 scheduler did (can_allocate, with its watermark of free
+# blocks), each request's whole sequence so far and a little room to grow: without it, a newcomer took the last free
+# blocks and was preempted a step or two later to feed its prompt all over again (docs/benchmarks.md). A newcomer onto
+# an empty belt gets no room: the input checks saw to it that its whole sequence fits.
 
 ROOM_TO_GROW = 3  # tokens of growth kept free for each request at admission: the fewest that end the demo's thrash
 
@@ -586,12 +582,11 @@ class BlockPool(SlotBlocks):
         return True
 
     def make_room(self, work, belt, waiting, prefill_chunk):
-        """Take the blocks that the step's work needs -> (the work, the request indices preempted).
-        While too few are free, the most recently admitted request still in a slot is preempted, and
-        the step planned again without it: even one that holds no block yet (its prompt waits for the
-        budget) gives way, at no cost, so that an older request never waits behind a newer one. The
-        first admitted never gives way: the input checks saw to it that the pool holds any one
-        request's whole sequence."""
+        """Take the blocks that the step's work needs -> (the work, the request indices preempted). While too few are
+        free, the most recently admitted request still in a slot is preempted, and the step planned again without it:
+        even one that holds no block yet (its prompt waits for the budget) gives way, at no cost, so that an older
+        request never waits behind a newer one. The first admitted never gives way: the input checks saw to it that
+        the pool holds any one request's whole sequence."""
         preempted = []
         while self.n_blocks_due(work) > len(self.free_blocks):
             victim = self.holders[-1]
@@ -620,16 +615,15 @@ class BlockPool(SlotBlocks):
 # ---------------------------------------------------------------------------------------------
 # Part 4, prefix caching: a shared prompt's blocks computed once
 #
-# Chat requests share a system prompt, agents whole conversations. A full block's keys and values
-# depend only on the tokens up to its end, so a request whose sequence starts with the same tokens
-# may take that block into its block table instead of computing it again (vLLM's automatic prefix
-# caching, SGLang's RadixAttention, nano-vllm's block manager). A full block's key is its tokens and
-# its parent's key, so equal blocks after different prefixes never match; answer blocks get keys too,
-# so a preempted request finds its own again. A request takes the blocks found, anyone's, wholly
-# before its last token, which it always feeds: it samples, and never writes into a shared block. A
-# block is keyed once, after the forward that wrote it: at an admission (refused or not) or as its
-# request leaves. One whose last holder leaves joins the back of the free line, kept, matchable; a plain
-# one, wiped, its front. New work takes the front: plain blocks, then kept ones, least recently used first.
+# Chat requests share a system prompt, agents whole conversations. A full block's keys and values depend only on the
+# tokens up to its end, so a request whose sequence starts with the same tokens may take that block into its block
+# table instead of computing it again (vLLM's automatic prefix caching, SGLang's RadixAttention, nano-vllm's block
+# manager). A full block's key is its tokens and its parent's key, so equal blocks after different prefixes never
+# match; answer blocks get keys too, so a preempted request finds its own again. A request takes the blocks found,
+# anyone's, wholly before its last token, which it always feeds: it samples, and never writes into a shared block. A
+# block is keyed once, after the forward that wrote it: at an admission (refused or not) or as its request leaves. One
+# whose last holder leaves joins the back of the free line, kept, matchable; a plain one, wiped, its front. New work
+# takes the front: plain blocks, then kept ones, least recently used first.
 
 class PrefixCache(BlockPool):
     """A BlockPool whose full blocks outlive their requests, found again by key at admission."""
@@ -837,12 +831,11 @@ class LiveRequests:
 
 
 # ---------------------------------------------------------------------------------------------
-# Checking the input before any work, so that nothing fails halfway: the forms people really pass
-# are turned into plain Python types; everything else is a ValueError that names the field.
+# Checking the input before any work, so that nothing fails halfway: plain types, or a ValueError naming the field
 
 def is_int(value):
-    """True for an int or a numpy integer; False for a bool, though Python counts it as an int
-    (True + True == 2): a bool where a count or a token id belongs is a mistake, not a 1."""
+    """True for an int or a numpy integer; False for a bool, though Python counts it as an int (True + True == 2):
+    a bool where a count or a token id belongs is a mistake, not a 1."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -982,11 +975,9 @@ class StepReport:
     logits: torch.Tensor  # (R, V): the logits those tokens were sampled from
     packed: PackedStep | None  # what the step's forward ran on, as model.forward_packed took it; None: no forward
     occupants: list[int | None] = field(default_factory=list)  # each slot's request index in the step (None: empty)
-    waiting: list[int] = field(default_factory=list)  # the queue after admission and after phase 3's preemptions
-    #                                                   (the preempted at its head), first in line first
-    kv_used: int = 0  # positions holding a token of a request in a slot, after the forward, before phase 7: the
-    #                   slots' n_cached, a shared block's once (a request finishing in this step counts; the token
-    #                   just sampled, a preempted request's and the free kept blocks' positions do not)
+    waiting: list[int] = field(default_factory=list)  # the queue after phase 3 (its preempted at the head), in order
+    kv_used: int = 0  # positions holding a token of a request in a slot after the forward, before phase 7: the
+    #                   slots' n_cached, a shared block's once (a finishing request's count; the preempted's, kept not)
     n_cached: list[int] = field(default_factory=list)  # each slot's share of kv_used (0: an empty slot)
     kv_total: int = 0  # the cache's positions: n_slots x max_len, or (Part 3) the pool's
     handed_over: list[int] = field(default_factory=list)  # Part 2: prompts the worker handed over this step
@@ -994,21 +985,17 @@ class StepReport:
     kv_bytes: int = 0  # bytes of keys and values the worker copied into their slots
     kv_s: float = 0.0  # seconds those copies took, on the worker's side
     preempted: list[int] = field(default_factory=list)  # Part 3: requests sent back to the queue this step
-    found_cached: list[int] = field(default_factory=list)  # Part 4: positions each admitted one found cached (one
-    #                                                        back from a preemption: its own blocks among them)
-    cached_free: list[int] = field(default_factory=list)  # Part 4: free blocks kept for a match, least recently
-    #                                                       used first: after the forward, before phase 7 retires anyone
+    found_cached: list[int] = field(default_factory=list)  # Part 4: positions each admitted one found (its own too)
+    cached_free: list[int] = field(default_factory=list)  # Part 4: free blocks kept, least recently used first,
+    #                                                       after the forward, before phase 7 retires anyone
     kv_kept: int = 0  # Part 4: positions in those kept blocks, which hold keys for a match but no request's token
-    evicted: list[int] | None = None  # Part 4: kept blocks this step's new work took (phase 3), their keys dropped,
-    #                                   as taken: kept and evicted within the step too. None: no prefix cache
-    block_tables: list[list[int]] = field(default_factory=list)  # each slot's blocks after the forward, before
-    #                                                              phase 7 retires anyone (per slot: [slot])
+    evicted: list[int] | None = None  # Part 4: kept blocks this step's new work took, keys dropped (None: no cache)
+    block_tables: list[list[int]] = field(default_factory=list)  # each slot's blocks, as cached_free's (per slot: [s])
 
 
 def step_report(step, step_start, belt, waiting, blocks, prompts, admitted, preempted, packed, n_prompt_tokens,
                 logits, model_s, handovers, sampled, finished):
-    """The StepReport of a step, from what the loop recorded and the belt as the step left it
-    (before its finished requests retire). Built only for a caller who asked (on_step)."""
+    """The step's StepReport, from what the loop recorded and the belt before phase 7; made only if asked."""
     return StepReport(
         step=step, n_running=len(sampled), n_waiting=len(waiting),
         belt="".join("." if run is None else "~" if run.is_prefilling else letter(run.request_index) for run in belt),
@@ -1202,10 +1189,8 @@ def run_all(model, requests, runs, args, eos_id, show_belt):
                                          disaggregate=disaggregate, kv_blocks=kv_blocks,
                                          kv_block_size=args.kv_block_size, prefix_cache=prefix_cache)
         except KeyboardInterrupt:  # the figures so far: who finished, the steps' reports say
-            finished = [None] * len(requests)
-            for report in reports:
-                for i, completion in report.finished:
-                    finished[i] = completion
+            done = {i: completion for report in reports for i, completion in report.finished}
+            finished = [done.get(i) for i in range(len(requests))]
             print(f"\ninterrupted after {len(reports)} steps of {name}: tokens and occupancy count every request "
                   f"that ran, latencies only the {sum(c is not None for c in finished)} of {len(requests)} that "
                   f"finished")
@@ -1342,9 +1327,8 @@ def demo(args):
     requests = [Request(prompt, max_new, args.temperature, args.top_k, seed=args.seed + i,
                         arrival=0 if i < first_wave else 2 * (i - first_wave + 1))
                 for i, (prompt, max_new) in enumerate(zip(prompts, lengths))]
-    # Disaggregated, the continuous run's prompts go to the worker, whole unless told otherwise. Paged
-    # (Part 3; refused disaggregated, as generate refuses it), the second run is per slot in the same memory;
-    # with the prefix cache (Part 4), it is the same pool without the cache.
+    # Disaggregated, the continuous run's prompts go to the worker, whole unless told otherwise. Paged (Part 3),
+    # the second run is per slot in the same memory; with the prefix cache (Part 4), the same pool without it.
     prefill_chunk = args.prefill_chunk or DEMO_PREFILL_CHUNK
     name = "prefix cache" if args.prefix_cache else "paged" if args.kv_blocks else \
         "disaggregated" if args.disaggregate else "continuous"
