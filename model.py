@@ -24,7 +24,7 @@ import os
 import struct
 import sys
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ class GPTConfig:
     n_layer: int = 12  # 12/24/36/48 for the 124M/350M/774M/1558M checkpoints
     n_head: int = 12  # every GPT-2 size has heads of 64 dimensions: n_head = n_embd / 64
     n_embd: int = 768  # 768/1024/1280/1600: the width that sets the four sizes apart
+    batch_invariant: bool = False  # every row's logits the same bits whatever shares its step (below)
 
 
 @dataclass
@@ -62,12 +63,29 @@ class PackedStep:
     #                                           block_tables[s, p // block_size] (nanobatch Part 3); None: per slot
 
 
+class Linear(nn.Module):
+    """y = x W + b, W stored (in, out) as GPT-2's checkpoints store it (its Conv1D; nn.Linear keeps W^T). For the few
+    rows of a decode step MKL computes x W 5-40% faster than x W^T, the LM head the most (docs/benchmarks.md)."""
+
+    def __init__(self, n_in, n_out, bias=True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.size(-1))  # (N, in): every row, whatever the batch's shape
+        y = rows @ self.weight if self.bias is None else torch.addmm(self.bias, rows, self.weight)  # (N, out)
+        return y.view(*x.shape[:-1], y.size(-1))
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.n_head = config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_attn = Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
+        self.c_proj = Linear(config.n_embd, config.n_embd)
+        # torch's fused kernel, or, batch-invariant, the same sums in blocks of keys of a fixed size (below)
+        self.attention = attention_in_key_blocks if config.batch_invariant else F.scaled_dot_product_attention
 
     def forward(self, x, kv_cache=None, step=None):
         if kv_cache is None:
@@ -79,27 +97,28 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # each (B, nh, T, hs)
                    for t in self.c_attn(x).split(C, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        y = self.attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         return y.transpose(1, 2).reshape(B, T, C)  # heads side by side again
 
     def attend_packed(self, x, kv_cache, step):
         """x (M, C): one step's packed tokens. Each token attends over its own slot in the cache."""
         M, C = x.size()
         q, k, v = (t.view(M, self.n_head, C // self.n_head) for t in self.c_attn(x).split(C, dim=1))
-        # q, k, v: each (M, nh, hs)
-        # Each cache (n_blocks, block_size, nh, hs), per slot (S, max_len, nh, hs), with the buffer that
+        # q, k, v: each (M, nh, hs). Batch-invariant, M may end in rows of no one's (pad_rows): past n.
+        n = step.tokens.size(0)
+        # Each cache (n_blocks, nh, block_size, hs), per slot (S, nh, max_len, hs), with the buffer that
         # a paged read gathers it into (slot_positions).
         (k_cache, k_gathered), (v_cache, v_gathered) = kv_cache
-      # Store the new keys and values first, so that a token can attend to itself: one write of M cells, each at its
+      # Store the new keys and values first, so that a token can attend to itself: one write of n cells, each at its
       # own (slot, position), or, paged, at the block and offset that its slot's block table gives the position.
         if step.block_tables is None:
             blocks, offsets = step.slots, step.positions
         else:
-            block_size = k_cache.size(1)
+            block_size = k_cache.size(2)
             blocks, offsets = step.block_tables[step.slots, step.positions // block_size], step.positions % block_size
-        k_cache[blocks, offsets] = k
-        v_cache[blocks, offsets] = v
-        y = torch.empty_like(q)  # (M, nh, hs)
+        k_cache[blocks, :, offsets] = k[:n]
+        v_cache[blocks, :, offsets] = v[:n]
+        y = torch.zeros_like(q)  # (M, nh, hs): a row of no one's stays 0
         # One-token rows, in one call (paged, in groups), each query over its slot's first L positions, L the
         # step's cut. Per slot the call reads the whole belt, a view of the cache (a copy of just the D slots
         # measured slower): query s is slot s's, and a slot with no row gets a dummy query, its output dropped.
@@ -107,7 +126,7 @@ class CausalSelfAttention(nn.Module):
         # place of S below (docs/benchmarks.md).
         D = step.n_one_token
         if D:
-            L = step.one_token_mask.size(-1)
+            L = self.n_keys(step.one_token_mask.size(-1), k_cache, step.block_tables)
             one_token_slots = step.slots[:D]  # (D,)
             if step.block_tables is None:  # the slots the call reads, and each row's place among them
                 read_slots, places = slice(None), one_token_slots
@@ -121,43 +140,52 @@ class CausalSelfAttention(nn.Module):
             queries[places] = q[:D, :, None]
             out = torch.empty_like(queries)  # (S, nh, 1, hs)
             for part, slots in groups:  # part: the group's queries; slots: the slots that it reads
-                keys = slot_positions(k_cache, k_gathered, step.block_tables, slots, L)  # (n, L, nh, hs)
+                keys = slot_positions(k_cache, k_gathered, step.block_tables, slots, L)  # (n, nh, L, hs)
                 values = slot_positions(v_cache, v_gathered, step.block_tables, slots, L)
-                out[part] = F.scaled_dot_product_attention(
-                    queries[part], keys.transpose(1, 2), values.transpose(1, 2),  # (n, nh, L, hs)
+                out[part] = self.attention(
+                    queries[part], keys, values,
                     attn_mask=one_token_mask[part, None],  # (n, 1, 1, L): the same mask for every head
                 )  # (n, nh, 1, hs)
             y[:D] = out[places, :, 0]
         # Chunks, one call each: T queries over the first L positions of their own slot (per slot, a
         # view): a prompt chunk, or the one token of a slot past the cut. No call pads to another's length.
         for rows, slot, mask in step.chunks:
-            L = mask.size(-1)
-            keys = slot_positions(k_cache, k_gathered, step.block_tables, slice(slot, slot + 1), L)  # (1, L, nh, hs)
+            L = self.n_keys(mask.size(-1), k_cache, step.block_tables)
+            keys = slot_positions(k_cache, k_gathered, step.block_tables, slice(slot, slot + 1), L)  # (1, nh, L, hs)
             values = slot_positions(v_cache, v_gathered, step.block_tables, slice(slot, slot + 1), L)
-            # 4-D, a batch of one: the CPU's fused kernel takes 4-D inputs only; 3-D ones fall back to
-            # plain matrix products, 1.6-3.8x slower for 64 tokens over 48-940 positions (12 heads of 64, 2 threads).
-            out = F.scaled_dot_product_attention(
+            out = self.attention(
                 q[rows].transpose(0, 1)[None],  # (1, nh, T, hs)
-                keys.transpose(1, 2), values.transpose(1, 2),  # (1, nh, L, hs)
+                keys, values,  # (1, nh, L, hs)
                 attn_mask=mask[None, None],  # (1, 1, T, L)
             )  # (1, nh, T, hs)
             y[rows] = out[0].transpose(0, 1)
         return y.view(M, C)
 
+    def n_keys(self, L, cache, block_tables):
+        """Positions a call reads for a mask over L: L, or, batch-invariant, L rounded up to whole key blocks
+        while the cache (per slot) or the block tables (paged) have them, so that their keys need no copy."""
+        if self.attention is not attention_in_key_blocks:
+            return L
+        held = cache.size(2) * (1 if block_tables is None else block_tables.size(1))
+        return min(-(-L // KEY_BLOCK) * KEY_BLOCK, max(L, held))
+
 
 def slot_positions(cache, gathered, block_tables, slots, L):
-    """The first L positions of some slots, in position order: (n, L, nh, hs) from one layer's keys (or values),
-    cache (n_blocks, block_size, nh, hs). Per slot (block_tables None), block s is slot s: a view, no copy.
+    """The first L positions of some slots, in position order: (n, nh, L, hs) from one layer's keys (or values),
+    cache (n_blocks, nh, block_size, hs). Per slot (block_tables None), block s is slot s: a view, no copy.
     Paged (Part 3), each slot's blocks are gathered in table order into a copy, `gathered`, since torch's
     attention wants a sequence's keys side by side; a paged kernel (vLLM's) reads them where they lie."""
     if block_tables is None:
-        return cache[slots, :L]
-    n_blocks = -(-L // cache.size(1))  # the blocks that hold positions 0..L-1
-    table = block_tables[slots, :n_blocks]  # (n, n_blocks)
+        return cache[slots, :, :L]
+    n_blocks_read, nh, block_size, hs = -(-L // cache.size(2)), *cache.shape[1:]  # the blocks of positions 0..L-1
+    table = block_tables[slots, :n_blocks_read]  # (n, n_blocks_read)
+    # Each head of each block is a row of block_size keys in cache.view(-1, block_size, hs): gathered by head,
+    # then block, each head's keys lie side by side, as attention reads them.
+    rows = table[:, None, :] * nh + torch.arange(nh, device=table.device)[None, :, None]  # (n, nh, n_blocks_read)
     # The KVCache keeps `gathered` from step to step: a fresh copy (19 MB of keys at 64 rows of 96 positions)
     # went back to the system when freed, faulted in again in every layer. resize_(0) keeps its memory.
-    torch.index_select(cache, 0, table.flatten(), out=gathered.resize_(0))  # (n * n_blocks, block_size, nh, hs)
-    return gathered.view(table.size(0), -1, *cache.shape[2:])[:, :L]  # (n, L, nh, hs)
+    torch.index_select(cache.view(-1, block_size, hs), 0, rows.flatten(), out=gathered.resize_(0))
+    return gathered.view(table.size(0), nh, -1, hs)[:, :, :L]  # (n, nh, L, hs)
 
 
 # A paged one-token call reads its slots in groups of about this many bytes of copied keys and values, read
@@ -169,7 +197,7 @@ PAGED_GROUP_BYTES = {"cpu": 8_000_000, "gpu": math.inf}
 
 def paged_group_size(n_slots, L, cache, device):
     """Slots in each of as few equal groups as keep each group's copies within about PAGED_GROUP_BYTES."""
-    slot_bytes = 2 * -(-L // cache.size(1)) * cache[0].numel() * cache.element_size()  # its blocks, k and v
+    slot_bytes = 2 * -(-L // cache.size(2)) * cache[0].numel() * cache.element_size()  # its blocks, k and v
     n_groups = max(1, math.ceil(n_slots * slot_bytes / PAGED_GROUP_BYTES["cpu" if device.type == "cpu" else "gpu"]))
     return math.ceil(n_slots / n_groups)
 
@@ -177,8 +205,8 @@ def paged_group_size(n_slots, L, cache, device):
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_fc = Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = Linear(4 * config.n_embd, config.n_embd)
 
     def forward(self, x):
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2 used the tanh GELU
@@ -200,17 +228,19 @@ class Block(nn.Module):
 class KVCache:
     """Keys and values for every layer, in one tensor made once: n_blocks blocks of block_size positions.
     Per slot, a block is a slot: S blocks of max_len positions, slot s's sequence in block s. Paged
-    (nanobatch Part 3), many small blocks, and a sequence's positions fill the blocks of its block table."""
+    (nanobatch Part 3), many small blocks, and a sequence's positions fill the blocks of its block table.
+    Within a block, heads come first, as in vLLM's blocks: each head's keys lie side by side, as attention
+    reads them, so that a slot's keys are a view that matrix products take without a copy."""
 
     def __init__(self, config, n_blocks, block_size, device, dtype):
         head_size = config.n_embd // config.n_head
-        # (n_layer, k|v, n_blocks, block_size, nh, hs); per slot, n_blocks is S and block_size max_len
-        shape = (config.n_layer, 2, n_blocks, block_size, config.n_head, head_size)
+        # (n_layer, k|v, n_blocks, nh, block_size, hs); per slot, n_blocks is S and block_size max_len
+        shape = (config.n_layer, 2, n_blocks, config.n_head, block_size, head_size)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)  # zeros: see clear() for why
         # Paged reads' copies, of keys and of values, shared by every layer: see slot_positions.
         self.gathered = (torch.empty(0, device=device, dtype=dtype), torch.empty(0, device=device, dtype=dtype))
 
-    def layer(self, i):  # (keys, their buffer), (values, theirs): views, each (n_blocks, block_size, nh, hs)
+    def layer(self, i):  # (keys, their buffer), (values, theirs): views, each (n_blocks, nh, block_size, hs)
         return (self.kv[i, 0], self.gathered[0]), (self.kv[i, 1], self.gathered[1])
 
     def clear(self, blocks, n_positions):
@@ -218,19 +248,23 @@ class KVCache:
         leaves (per slot, blocks is [its slot]). The mask hides a previous occupant's keys, but only by giving them
         weight 0, and 0 * NaN is NaN: one that overflowed would poison the next. Zeroing only what was written, not
         the slot's whole max_len, keeps the cost proportional to the work done."""
-        for first_position, block in zip(range(0, n_positions, self.kv.size(3)), blocks):
-            self.kv[:, :, block, :n_positions - first_position].zero_()
+        for first_position, block in zip(range(0, n_positions, self.block_size), blocks):
+            self.kv[:, :, block, :, :n_positions - first_position].zero_()
 
     def send(self, slot, n_positions, to, to_slot):
         """Copy the first n_positions of one slot, every layer's keys and values, into a slot of
         another cache, on this device or another, in one copy; returns the bytes moved. This is the
         handover of disaggregated prefill, which a real deployment sends over NVLink or RDMA."""
-        to.kv[:, :, to_slot, :n_positions].copy_(self.kv[:, :, slot, :n_positions])
-        return self.kv[:, :, slot, :n_positions].numel() * self.kv.element_size()
+        to.kv[:, :, to_slot, :, :n_positions].copy_(self.kv[:, :, slot, :, :n_positions])
+        return self.kv[:, :, slot, :, :n_positions].numel() * self.kv.element_size()
+
+    @property
+    def block_size(self):  # positions a block holds (per slot: max_len)
+        return self.kv.size(4)
 
     @property
     def n_positions(self):  # what the cache can hold, all blocks together
-        return self.kv.size(2) * self.kv.size(3)
+        return self.kv.size(2) * self.block_size
 
 
 def available_memory(device):
@@ -264,13 +298,13 @@ class GPT(nn.Module):
         self.config = config
         # Names follow Hugging Face's GPT-2, so a checkpoint loads by name.
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd),
         ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # GPT-2 ties output and input embeddings
+        # GPT-2 ties its token embeddings to the LM head: token t's embedding is column t of its weight (C, V),
+        # stored as the head reads it (Linear); the checkpoint's wte (V, C) is its transpose (load_hf_tensors).
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         for name, p in self.named_parameters():  # std 0.02 as GPT-2 (not its scaled residuals)
             if p.dim() == 2:
                 nn.init.normal_(p, mean=0.0, std=0.02)  # linear and embedding weights
@@ -281,14 +315,18 @@ class GPT(nn.Module):
         p = self.lm_head.weight
         return KVCache(self.config, n_blocks, block_size, p.device, p.dtype)
 
+    def embed(self, tokens, positions):  # each token's embedding and its position's, summed: (..., C)
+        return F.embedding(tokens, self.lm_head.weight.t()) + self.transformer.wpe(positions)
+
     def forward(self, idx):
         """The reference: idx (B, T) token ids -> logits (B, T, V), causal, no cache."""
         B, T = idx.size()
-        positions = torch.arange(T, device=idx.device)  # (T,)
-        x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
+        x = self.embed(idx, torch.arange(T, device=idx.device))  # (B, T, C)
+        if self.config.batch_invariant:
+            x = pad_rows(x)  # (B, T', C): rows of no one's at the end, which causal attention hides from the T
         for block in self.transformer.h:
             x = block(x)
-        return self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
+        return self.lm_head(self.transformer.ln_f(x))[:, :T]  # (B, T, V)
 
     def forward_packed(self, step, cache):
         """One engine step: run step.tokens (M,) through the model, reading and writing the cache.
@@ -298,20 +336,73 @@ class GPT(nn.Module):
         multiply-adds a token in GPT-2 124M, about half what its 12 blocks cost, and only a
         sequence's newest token is ever sampled from.
         """
-        x = self.transformer.wte(step.tokens) + self.transformer.wpe(step.positions)  # (M, C)
+        x = self.embed(step.tokens, step.positions)  # (M, C)
+        if self.config.batch_invariant:
+            x = pad_rows(x)  # (M', C): rows of no one's at the end, which attention leaves at 0
         for i, block in enumerate(self.transformer.h):
             x = block(x, kv_cache=cache.layer(i), step=step)
-        return self.lm_head(self.transformer.ln_f(x[step.logit_rows]))  # (R, V)
+        x = x[step.logit_rows]  # (R, C)
+        if self.config.batch_invariant:
+            x = pad_rows(x)  # (R', C)
+        return self.lm_head(self.transformer.ln_f(x))[:len(step.logit_rows)]  # (R, V)
 
     @classmethod
-    def from_pretrained(cls, source, cache_dir=None):
+    def from_pretrained(cls, source, cache_dir=None, batch_invariant=False):
         """GPT-2 from a Hugging Face checkpoint: a directory, a .safetensors or .bin file, or a
         name in HF_MODELS (downloaded once into cache_dir, default ~/.cache/nanobatch)."""
         path = find_checkpoint(source, cache_dir or default_cache_dir())
         tensors = read_safetensors(path) if path.suffix == ".safetensors" else read_bin(path)
-        model = cls(config_from_tensors(tensors, path))
+        model = cls(replace(config_from_tensors(tensors, path), batch_invariant=batch_invariant))
         load_hf_tensors(model, tensors, path)
         return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch invariance: each row's numbers the same whatever shares its step (GPTConfig.batch_invariant)
+#
+# Batching should change when a token is computed, never which. In float32 it can change the last bits of the
+# logits: a kernel may sum a row's products in an order that depends on how many rows share the call (Thinking
+# Machines, "Defeating Nondeterminism in LLM Inference", 2025), and at a near-tie another token wins. Measured op
+# by op (docs/api.md, "Batch invariance"; on a 2-core EPYC with AVX-512, torch 2.13 with MKL): the embeddings,
+# layer norm, GELU, softmax and the residual adds give each row the same bits in any batch. Two ops do not:
+# - a linear layer: MKL computes a lone row (with 2 threads, also the last 1 to 3 rows of fewer than 12) with
+#   another kernel than rows that come 4 at a time. pad_rows gives every call a multiple of 4 rows.
+# - torch's fused attention: it sums over up to 512 keys in one matrix product, and MKL splits a long sum at
+#   points that depend on its length (192 keys and 208, the last 16 masked, give other bits). attention_in_key_blocks
+#   sums exactly KEY_BLOCK keys a product, block after block in order, its queries padded as a linear's rows.
+# The reference (GPT.forward) runs the same ops. The cost: a step of one row computed as 4 (MKL's one-row kernel is
+# 1.5x faster), and attention in small products (docs/benchmarks.md).
+
+ROW_MULTIPLE = 4  # rows a matrix product takes at a time, as MKL computes them alike
+KEY_BLOCK = 64  # keys summed in one matrix product: one length for every call, far below where MKL splits a sum
+
+
+def pad_rows(x):
+    """x (..., T, C) with rows of zeros added to a multiple of ROW_MULTIPLE -> (..., T', C), x itself if none."""
+    n_pad = -x.size(-2) % ROW_MULTIPLE
+    return F.pad(x, (0, 0, 0, n_pad)) if n_pad else x
+
+
+def attention_in_key_blocks(query, key, value, attn_mask=None, is_causal=False):
+    """F.scaled_dot_product_attention, batch-invariant: query (B, nh, T, hs), key and value (B, nh, L, hs),
+    attn_mask (B or 1, 1, T or 1, L' <= L) bool, True where a query sees a key (past L': unseen) -> (B, nh, T, hs)."""
+    T, L = query.size(-2), key.size(-2)
+    query = pad_rows(query)  # (B, nh, T', hs)
+    n_pad_keys = -L % KEY_BLOCK  # keys of no one's, unseen, to whole blocks (none where the caller read whole blocks)
+    if n_pad_keys:
+        key, value = (F.pad(t, (0, 0, 0, n_pad_keys)) for t in (key, value))  # (B, nh, L', hs)
+    if is_causal:
+        attn_mask = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
+    elif attn_mask.size(-2) > 1:  # the padded queries see every key: no row without a key, so no NaN
+        attn_mask = F.pad(attn_mask, (0, 0, 0, query.size(-2) - T), value=True)
+    attn_mask = F.pad(attn_mask, (0, key.size(-2) - attn_mask.size(-1)), value=False)  # (.., T' or 1, L')
+    scores = (query @ key.transpose(-1, -2)) * query.size(-1) ** -0.5  # (B, nh, T', L'): one length, hs
+    scores = scores.masked_fill(~attn_mask, float("-inf"))
+    probs = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(value.dtype)
+    out = probs[..., :KEY_BLOCK] @ value[..., :KEY_BLOCK, :]  # (B, nh, T', hs): the first block's sum
+    for first in range(KEY_BLOCK, key.size(-2), KEY_BLOCK):  # then each block's, added in order
+        out += probs[..., first:first + KEY_BLOCK] @ value[..., first:first + KEY_BLOCK, :]
+    return out[..., :T, :]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,10 +425,12 @@ def attention_cut(lengths, n_slots, device):
     call_cost = CALL_COST_IN_KEYS["cpu" if device.type == "cpu" else "gpu"]
     lengths, best = sorted(lengths), (math.inf, 1)  # (cost, cut); no row at all: a cut of 1
     keys_above = sum(lengths)  # of the rows after i, taken as longer than the cut
+    every_row_alone = keys_above + (len(lengths) - 1) * call_cost  # a cut of 0: no call together
     for i, cut in enumerate(lengths):  # of equal lengths, only the last is costed right; it is the cheaper
         keys_above -= cut
         best = min(best, (n_slots * cut + keys_above + (len(lengths) - 1 - i) * call_cost, cut))
-    return best[1]
+    # A few long rows on a belt of empty slots: each alone reads its own keys, not every slot's, and costs less.
+    return 0 if lengths and every_row_alone < best[0] else best[1]
 
 
 def split_at_cut(feeds, n_slots, device):
@@ -358,8 +451,6 @@ def split_at_cut(feeds, n_slots, device):
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # the four released sizes
 HF_URL = "https://huggingface.co/openai-community/{name}/resolve/main/model.safetensors"
-# GPT-2 was written with Conv1D layers, which store weights as (in, out); nn.Linear wants (out, in).
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32,
                       "F16": torch.float16, "BF16": torch.bfloat16}
 MAX_HEADER_BYTES = 100_000_000  # a real header is kilobytes; a corrupt length must not eat memory
@@ -485,16 +576,16 @@ def load_hf_tensors(model, tensors, path):
     lm_head = found.pop("lm_head.weight", None)
     if lm_head is not None and not torch.equal(lm_head, found.get("wte.weight", lm_head)):
         raise ValueError(f"{path}: lm_head.weight differs from wte.weight, but GPT-2 ties them")
+    if "wte.weight" in found:  # the tied embeddings (V, C): our LM head's weight is their transpose (GPT)
+        found["lm_head.weight"] = found.pop("wte.weight").t()
     expected = {name.removeprefix("transformer."): p for name, p in model.named_parameters()}
     missing, unexpected = expected.keys() - found.keys(), found.keys() - expected.keys()
     for problem, names in [("missing", missing), ("unexpected", unexpected)]:
         if names:
             raise ValueError(f"{path}: {len(names)} {problem} tensors, e.g. {sorted(names)[:3]}")
     with torch.no_grad():
-        for name, param in expected.items():
-            is_conv1d = name.endswith(CONV1D_WEIGHTS)
-            want = param.shape[::-1] if is_conv1d else param.shape  # as the file should store it
-            if found[name].shape != want:
+        for name, param in expected.items():  # Linear stores (in, out), as GPT-2's Conv1D layers did: no transposing
+            if found[name].shape != param.shape:
                 raise ValueError(f"{path}: tensor {name} has shape {list(found[name].shape)}, "
-                                 f"the model expects {list(want)}")
-            param.copy_(found[name].t() if is_conv1d else found[name])
+                                 f"the model expects {list(param.shape)}")
+            param.copy_(found[name])

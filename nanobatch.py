@@ -1001,7 +1001,7 @@ def step_report(step, step_start, belt, waiting, blocks, prompts, admitted, pree
         belt="".join("." if run is None else "~" if run.is_prefilling else letter(run.request_index) for run in belt),
         n_prefilling=sum(run is not None and run.is_prefilling for run in belt), n_prompt_tokens=n_prompt_tokens,
         admitted=[run.request_index for run in admitted], found_cached=[run.n_found for run in admitted],
-        cached_free=list(blocks.kept), kv_kept=len(blocks.kept) * blocks.cache.kv.size(3),
+        cached_free=list(blocks.kept), kv_kept=len(blocks.kept) * blocks.cache.block_size,
         evicted=blocks.evicted,  # Part 4's record, a new list each step; SlotBlocks, BlockPool: None
         finished=[(run.request_index, run.completion) for run in finished],
         model_s=model_s, step_s=time.perf_counter() - step_start, sampled=[run.request_index for run in sampled],
@@ -1009,7 +1009,7 @@ def step_report(step, step_start, belt, waiting, blocks, prompts, admitted, pree
         packed=packed if len(packed.tokens) else None,  # no token fed (Part 2: all at the worker), no forward to show
         occupants=[None if run is None else run.request_index for run in belt],
         waiting=[run.request_index for run in waiting],
-        kv_used=positions_in_use(belt, blocks.cache.kv.size(3)), kv_total=blocks.cache.n_positions,
+        kv_used=positions_in_use(belt, blocks.cache.block_size), kv_total=blocks.cache.n_positions,
         n_cached=[run.n_cached if run else 0 for run in belt],
         handed_over=[handover.run.request_index for handover in handovers],
         at_worker=[run.request_index for run in belt if run and run.request_index in prompts.holding],
@@ -1247,10 +1247,10 @@ def long_tailed(rng, n, mean, cap):
     return lengths
 
 
-def load_gpt2(weights):
+def load_gpt2(weights, batch_invariant=False):
     """Real GPT-2: --weights, else gpt2 from the cache or a download; None if that is offline."""
     try:
-        return GPT.from_pretrained(weights or "gpt2")
+        return GPT.from_pretrained(weights or "gpt2", batch_invariant=batch_invariant)
     except (ValueError, OSError) as e:  # offline, or a missing, damaged or foreign checkpoint
         if isinstance(e, ConnectionError) and not weights:
             return None  # the demo runs on random weights instead, and says so
@@ -1274,7 +1274,8 @@ TINY = GPTConfig(n_layer=2, n_head=4, n_embd=64)  # --quick: the same loop in se
 def seeded_model(args):
     """--weights, else a random GPT-2 (TINY with --quick), the same for the same --seed."""
     torch.manual_seed(args.seed)
-    model = load_gpt2(args.weights) if args.weights else GPT(TINY if args.quick else GPTConfig())
+    model = load_gpt2(args.weights, args.batch_invariant) if args.weights else \
+        GPT(replace(TINY if args.quick else GPTConfig(), batch_invariant=args.batch_invariant))
     return model.to(args.device, args.dtype).eval()
 
 
@@ -1299,7 +1300,7 @@ class Shown:
 
 def demo(args):
     """A mixed workload through continuous, then static batching, the belt on screen -> what it ran."""
-    model = None if args.quick else load_gpt2(args.weights)  # None: --quick, or offline
+    model = None if args.quick else load_gpt2(args.weights, args.batch_invariant)  # None: --quick, or offline
     has_weights = model is not None
     model = model.to(args.device, args.dtype).eval() if has_weights else seeded_model(args)
     tokenizer = None if args.quick else load_tokenizer(model)
@@ -1365,7 +1366,7 @@ def demo(args):
 
 def prompt_mode(args):
     """Your prompts, real GPT-2, the belt on screen -> what it ran."""
-    model = load_gpt2(args.weights)
+    model = load_gpt2(args.weights, args.batch_invariant)
     tokenizer = model and load_tokenizer(model)
     if not tokenizer:
         fail("--prompt needs GPT-2's weights and tiktoken's files, which are neither cached nor "
@@ -1426,6 +1427,8 @@ OPTIONS = {  # each option of nanobatch.py and tools/ once: name -> (argparse's 
     "quick": (dict(action="store_true", help="a tiny random model, in seconds"), False),
     "device": (dict(type=usable_device, help="cpu, cuda, cuda:1, ... (cuda when present)"), None),
     "dtype": (dict(choices=["float32", "float64", "bfloat16", "float16"], help="(float32)"), "float32"),
+    "batch_invariant": (dict(action="store_true", help="every row's logits the same bits whatever shares its step "
+                             "(model.py: a step of one row computed as 4, attention in blocks of 64 keys)"), False),
     "quiet": (dict(action="store_true", help="no belt, only the summary"), False),
     "kv_blocks": (dict(type=positive(int), metavar="N", help="a paged cache: N blocks that the slots share (--demo: "
                                                     "paged, then per slot in the same memory)"), None),
@@ -1433,7 +1436,8 @@ OPTIONS = {  # each option of nanobatch.py and tools/ once: name -> (argparse's 
     "prefix_cache": (dict(action="store_true", help="with --kv-blocks: requests share the cached blocks of a common "
                           "prefix (--demo: a system prompt for all, with the cache, then without)"), False),
 }
-SERVING = {"slots", "max_len", "prefill_chunk", "disaggregate", "seed", "device", "dtype", "kv_blocks", "kv_block_size"}
+SERVING = {"slots", "max_len", "prefill_chunk", "disaggregate", "seed", "device", "dtype", "kv_blocks", "kv_block_size",
+           "batch_invariant"}
 
 
 def parse_args(parser, argv, names):

@@ -40,18 +40,19 @@ import math
 import random
 from collections import Counter
 from contextlib import nullcontext
+from dataclasses import replace
 
 import pytest
 import torch
 
 import model as model_py
 import nanobatch
-from model import GPT, slot_positions
+from model import GPT, GPTConfig, slot_positions
 from nanobatch import POLICIES, BlockPool, Request, attention_mask, generate, generate_sequential, sample
 from tests.common import gpt, gpt_on, offline  # noqa: F401 (fixtures, found by name)
-from tests.common import (HAS_CUDA, MAX_LEN, TIMEOUT_S, V, ends_within, first_difference, random_prompt,
+from tests.common import (HAS_CUDA, MAX_LEN, TIMEOUT_S, TINY, V, ends_within, first_difference, random_prompt,
                           random_workload, tiny_gpt, worker_threads, worst)
-from verify import verdict  # noqa: E402 (tools/, put on the path by tests.common)
+from verify import varying_ops, verdict  # noqa: E402 (tools/, put on the path by tests.common)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,17 +136,16 @@ def workload(request, gpt_on):
 
 
 def split_attention_everywhere(monkeypatch):
-    """Attention calls made free, so that a step's one-token rows split at a cut (some together,
-    some each alone over its own slot) wherever their lengths differ, even in these tiny models
-    (where the real cost of a call keeps them together) -> the cuts chosen, as (cut, longest) pairs."""
-    cuts, attention_cut = [], model_py.attention_cut
+    """A step's one-token rows split at a cut (the shortest together, every longer one alone over its own
+    slot) wherever their lengths differ, even in these tiny models (where the real cost of a call keeps them
+    together): the cut at the shortest length -> the cuts chosen, as (cut, longest) pairs."""
+    cuts = []
 
-    def recording(lengths, n_slots, device):
-        cuts.append((attention_cut(lengths, n_slots, device), max(lengths, default=0)))
+    def at_the_shortest(lengths, n_slots, device):
+        cuts.append((min(lengths, default=1), max(lengths, default=0)))
         return cuts[-1][0]
 
-    monkeypatch.setattr(model_py, "CALL_COST_IN_KEYS", {"cpu": 0, "gpu": 0})
-    monkeypatch.setattr(model_py, "attention_cut", recording)
+    monkeypatch.setattr(model_py, "attention_cut", at_the_shortest)
     return cuts
 
 
@@ -360,7 +360,7 @@ def test_a_slot_is_cleaned_for_its_new_occupant(monkeypatch):
     reference's answers, and must not once the wiping is switched off (so the NaN was there)."""
     model, poison = tiny_gpt(), 7
     with torch.no_grad():
-        model.transformer.wte.weight[poison] = math.nan
+        model.lm_head.weight[:, poison] = math.nan  # token 7's embedding: column 7 of the tied head (model.GPT)
     rng = random.Random(8)
     # Slot 0: the poisoned request (NaN keys at positions 2..19), then short ones. Slot 1: a long
     # one, which makes every step attend over more positions than a short request has, so the
@@ -538,16 +538,22 @@ def test_attention_cut_by_hand():
     one_long = [48] * 7 + [940]  # cut 48: 8 x 48 + 940 + 150 = 1474 keys; cut 940: 8 x 940 = 7520
     assert model_py.attention_cut(one_long, 8, cpu) == 48
     assert model_py.attention_cut([48] * 63 + [940], 64, gpu) == 48  # 3072 + 940 + 20000 < 64 x 940
-    spread = [50, 186, 321, 457, 593, 729, 864, 1000]  # cut 50: 400 + 4150 + 7 x 150 = 5600, the least
-    assert model_py.attention_cut(spread, 8, cpu) == 50
+    spread = [50, 186, 321, 457, 593, 729, 864, 1000]  # cut 0, each alone: 4200 + 7 x 150 = 5250, the least
+    assert model_py.attention_cut(spread, 8, cpu) == 0  # (cut 50: 8 x 50 + 4150 + 7 x 150 = 5600)
+    assert model_py.attention_cut(spread, 64, cpu) == 0 and model_py.attention_cut(spread[:1] * 8, 8, cpu) == 50
     assert model_py.attention_cut(spread, 8, gpu) == 1000  # on a GPU, a call is worth more than them all
     assert model_py.attention_cut([5, 5, 5], 4, cpu) == 5 and model_py.attention_cut([], 4, cpu) == 1
+    two_long = [500, 500]  # on 16 slots, cut 0 (each alone): 1000 + 150 = 1150 keys; cut 500: 16 x 500 = 8000
+    assert model_py.attention_cut(two_long, 16, cpu) == 0 and model_py.attention_cut(two_long, 2, cpu) == 500
     rng = random.Random(13)
     for _ in range(200):
-        lengths, n_slots = [rng.randint(1, 1000) for _ in range(rng.randint(1, 16))], rng.randint(16, 64)
-        def keys(cut):
-            return n_slots * cut + sum(length + 150 for length in lengths if length > cut)
-        assert keys(model_py.attention_cut(lengths, n_slots, cpu)) == min(keys(cut) for cut in lengths), lengths
+        lengths = [rng.randint(1, 1000) for _ in range(rng.randint(1, 16))]
+        n_slots = rng.randint(len(lengths), 64)
+        def keys(cut):  # the keys read, and 150 for each call past the first (cut 0: no call together)
+            alone = [length for length in lengths if length > cut]
+            return n_slots * cut + sum(alone) + 150 * (len(alone) - (cut == 0))
+        best = min(keys(cut) for cut in [0] + lengths)
+        assert keys(model_py.attention_cut(lengths, n_slots, cpu)) == best, lengths
 
 
 @pytest.mark.parametrize("cut", ["by cost", "split"])
@@ -894,3 +900,82 @@ def test_a_hit_that_skips_the_last_prompt_token_is_caught(gpt, monkeypatch):
     monkeypatch.setattr(nanobatch_PrefixCache, "keys", one_block_more)
     with pytest.raises((IndexError, RuntimeError)):
         served_prefix_cached(gpt, requests, **options)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6) Batch invariance (model.py): in float32, the very bits of every logit, whatever shares a step
+#
+# In float64 the engine's logits come within rounding of the reference's; in float32 their last bits
+# differ, and a near-tie can flip a token (tools/verify.py judges such a flip "rounding"). A model built
+# batch-invariant (GPTConfig.batch_invariant) computes each row the same way in any call, so that every
+# sampled row's logits are bitwise the reference's in every mode. First the premise, on this machine:
+# each op of the step gives a row the same bits in any call; an op that does not is named.
+
+INVARIANT_MODES = {  # generate's options in each mode the engine runs; "live": the same, through LiveRequests
+    "per slot": dict(n_slots=3), "static": dict(n_slots=3, policy="static"), "chunked": dict(n_slots=3, prefill_chunk=5),
+    "one token a step": dict(n_slots=16, prefill_chunk=1), "paged, preempted": dict(n_slots=4, kv_blocks=14, kv_block_size=4),
+    "prefix-cached, preempted": dict(n_slots=4, kv_blocks=14, kv_block_size=4, prefix_cache=True, prefill_chunk=6),
+    "disaggregated": dict(n_slots=3, disaggregate=True), "live": dict(n_slots=3, prefill_chunk=7),
+}
+
+
+def invariant_gpt(dtype=torch.float32, batch_invariant=True):
+    """tiny_gpt's weights, batch-invariant (or not), in float32: the dtype whose last bits batching moves."""
+    model = GPT(GPTConfig(**TINY, batch_invariant=batch_invariant)).to(dtype).eval()
+    model.load_state_dict(tiny_gpt(dtype=dtype).state_dict())
+    return model
+
+
+def test_every_batch_invariant_op_gives_a_row_the_same_bits_in_any_call():
+    """The premise, measured here (tools/verify.py --ops prints the table): each op of a batch-invariant step,
+    a row in calls of 1 to 100 rows and attention over more keys, in a batch, as a prompt's row, against the same
+    row in the largest call. The default path's linear layers and attention differ: what the proof below needs."""
+    varying = {op: where for op, where in varying_ops(invariant_gpt()).items() if where}
+    assert not varying, f"on this machine, batch-invariant ops that differ: {varying}"
+    default = varying_ops(invariant_gpt(batch_invariant=False))
+    assert default["attention"] and all(default[op] for op in default if op.startswith(("linear", "LM head"))), default
+
+
+def logits_and_reference(model, requests, mode):
+    """Every sampled row's logits from generate in this mode, each beside the reference's for the same prefix
+    (GPT.forward over the whole sequence) -> [(request index, token index, engine's row, reference's row)]."""
+    options, rows = dict(INVARIANT_MODES[mode]), []
+    on_step = lambda report: rows.extend(zip(report.sampled, report.logits.clone()))  # noqa: E731
+    if mode == "live":
+        with nanobatch.LiveRequests(model, max_len=MAX_LEN, eos_id=None, on_step=on_step, **options) as live:
+            streams = [live.submit(request) for request in requests]
+        completions = [stream.completion for stream in streams]
+    else:
+        completions = generate(model, requests, max_len=MAX_LEN, eos_id=None, on_step=on_step, **options)
+    seen, paired = Counter(), []
+    with torch.no_grad():
+        for i, row in rows:
+            k, seen[i] = seen[i], seen[i] + 1
+            prefix = torch.tensor([requests[i].prompt + completions[i].tokens[:k]])  # (1, T)
+            paired.append((i, k, row, model(prefix)[0, -1]))
+    assert [seen[i] for i in range(len(requests))] == [len(c.tokens) for c in completions]
+    return paired
+
+
+@pytest.mark.parametrize("mode", INVARIANT_MODES)
+def test_batch_invariant_logits_are_the_references_bit_for_bit(mode):
+    """float32, greedy and sampled: every sampled row's logits torch.equal to the reference's, in every mode
+    (paged and prefix-cached in pools small enough to preempt); the same model on the default path does not."""
+    requests = random_workload(seed=21, n_requests=12, sampled=True)
+    paired = ends_within(TIMEOUT_S, logits_and_reference, invariant_gpt(), requests, mode)
+    unequal = [(i, k, worst(row, want)) for i, k, row, want in paired if not torch.equal(row, want)]
+    assert not unequal, f"{len(unequal)} of {len(paired)} rows differ, first: request {unequal[0][0]}, " \
+                        f"token {unequal[0][1]}: {unequal[0][2]}"
+    if mode == "per slot":  # the teeth: without invariance, most rows' bits differ
+        default = logits_and_reference(invariant_gpt(batch_invariant=False), requests, mode)
+        assert sum(not torch.equal(row, want) for _, _, row, want in default) > len(default) // 2
+
+
+def test_a_lone_row_left_unpadded_is_caught(monkeypatch):
+    """The teeth: ROW_MULTIPLE = 1, so a step of one row, and the last rows of a small one, take MKL's other
+    kernels again. The proof must see it (where the machine's BLAS splits rows so), and the ops' check name it."""
+    monkeypatch.setattr(model_py, "ROW_MULTIPLE", 1)
+    varying = varying_ops(invariant_gpt())
+    assert varying[f"linear {TINY['n_embd']} -> {3 * TINY['n_embd']}"], varying
+    paired = logits_and_reference(invariant_gpt(), random_workload(seed=21, n_requests=12), "per slot")
+    assert any(not torch.equal(row, want) for _, _, row, want in paired)

@@ -23,9 +23,6 @@ from tests.common import random_prompt, tiny_gpt, worst
 # Loading Hugging Face checkpoints, written here by hand
 
 
-CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-
 @pytest.fixture(scope="module")
 def saved():
     """A float32 GPT to save. Heads of 64 dimensions, as in GPT-2, so that it loads without a
@@ -36,9 +33,9 @@ def saved():
 def hf_tensors(model, prefix="", buffers=True, lm_head=False):
     """The model's parameters named and laid out as Hugging Face stores GPT-2."""
     tensors = {}
-    for name, p in model.named_parameters():  # the tied lm_head is listed once, as wte
-        name = name.removeprefix("transformer.")
-        tensors[prefix + name] = (p.t() if name.endswith(CONV1D) else p).detach().contiguous().clone()  # (in, out)
+    for name, p in model.named_parameters():  # weights (in, out) as stored; the tied LM head's as wte (V, C)
+        name = "wte.weight" if name == "lm_head.weight" else name.removeprefix("transformer.")
+        tensors[prefix + name] = (p.t() if name == "wte.weight" else p).detach().contiguous().clone()
     if buffers:  # the causal-mask buffers that old checkpoints carry
         n = model.config.block_size
         for i in range(model.config.n_layer):

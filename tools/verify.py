@@ -12,12 +12,16 @@ import math
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanobatch.py and model.py
+import model as model_py  # noqa: E402
 import nanobatch  # noqa: E402
+from model import GPT  # noqa: E402
 from nanobatch import (Request, check_arguments, fail, generate, generate_sequential, letter,  # noqa: E402
                        load_tokenizer, placement, sample, seeded_model)
 
@@ -58,11 +62,102 @@ def verdict(batched, sequential, exact):
     return "rounding" if figures["batched error"] <= figures["tolerance"] else "BUG", figures
 
 
+# ---------------------------------------------------------------------------------------------
+# Batch invariance, op by op: does a row's result depend on what else shares its call? (docs/api.md)
+
+BATCH_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 31, 64, 100)  # rows in a call, as steps come
+POSITIONS = (0, 1, 5, 16, 17, 63, 64, 100, 191, 200)  # a query's position, among its model's block_size
+
+
+def varying_ops(model):
+    """Each op of a step, as this model runs it (model.config.batch_invariant), measured on this machine: a row
+    computed in calls of BATCH_SIZES rows (1: alone) against the same row in a call of the most, and attention's
+    query also over more keys than its own (masked) and as one of a prompt's rows -> {op: where some row's bits
+    differed, or "" if nowhere}. Inputs are random: an op's bits depend on the shapes it runs, not the values."""
+    config, gen, device = model.config, torch.Generator().manual_seed(0), model.lm_head.weight.device
+    block, C, n = model.transformer.h[0], config.n_embd, max(BATCH_SIZES)
+    rows = model_py.pad_rows if config.batch_invariant else (lambda x: x)  # what forward_packed does first
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=model.lm_head.weight.dtype).to(device)
+
+    tokens = torch.randint(config.vocab_size, (n,), generator=gen).to(device)
+    positions = torch.arange(n, device=device) % config.block_size
+    rowwise = {  # op: (the op on rows x (N, ...), its inputs)
+        "embeddings": (lambda i: model.embed(tokens[i], positions[i]), torch.arange(n, device=device)),
+        "layer norm": (block.ln_1, randn(n, C)),
+        f"linear {C} -> {3 * C}": (lambda x: block.attn.c_attn(rows(x))[:len(x)], randn(n, C)),
+        f"linear {4 * C} -> {C}": (lambda x: block.mlp.c_proj(rows(x))[:len(x)], randn(n, 4 * C)),
+        "GELU": (lambda x: F.gelu(x, approximate="tanh"), randn(n, 4 * C)),
+        f"LM head {C} -> {config.vocab_size}": (lambda x: model.lm_head(rows(x))[:len(x)], randn(n, C)),
+        "softmax (sampling)": (lambda x: torch.softmax(x, dim=-1), randn(n, config.vocab_size)),
+    }
+    found = {}
+    with torch.no_grad():
+        for name, (op, x) in rowwise.items():
+            in_the_most = op(x)  # every row in a call of n
+            found[name] = ", ".join(str(size) for size in BATCH_SIZES if not torch.equal(op(x[:size]), in_the_most[:size]))
+            found[name] = found[name] and f"in calls of {found[name]} rows"
+        found["attention"] = attention_varies(block.attn.attention, config, randn)
+    return found
+
+
+def attention_varies(attend, config, randn):
+    """Where a query's attention output differs from the same query alone over exactly its keys (-> "" if
+    nowhere): over more keys, those past its position masked (the one-token call over the belt's longest row);
+    in a batch of other slots' queries; as one of a causal call's rows (a prompt's chunk, and the reference)."""
+    nh, hs, n_positions = config.n_head, config.n_embd // config.n_head, min(config.block_size, 256)
+    q, k, v = (randn(1, nh, n_positions, hs) for _ in range(3))
+    where = set()
+    for p in [p for p in POSITIONS if p < n_positions]:
+        alone = attend(q[:, :, p:p + 1], k[:, :, :p + 1], v[:, :, :p + 1],
+                       attn_mask=torch.ones(1, 1, 1, p + 1, dtype=torch.bool, device=q.device))
+        for L in sorted({min(n_positions, L) for L in (p + 2, p + 17, 2 * p + 1, n_positions)} - {p + 1}):
+            mask = (torch.arange(L, device=q.device) <= p)[None, None, None]  # (1, 1, 1, L)
+            if not torch.equal(attend(q[:, :, p:p + 1], k[:, :, :L], v[:, :, :L], attn_mask=mask), alone):
+                where.add("over more keys (masked)")
+        for batch in (2, 3, 5, 8):  # the query in slot 0 of a batch of slots at other positions
+            others = randn(batch - 1, nh, p + 1, hs)
+            keys, values = torch.cat([k[:, :, :p + 1], others]), torch.cat([v[:, :, :p + 1], others])
+            queries = torch.cat([q[:, :, p:p + 1], randn(batch - 1, nh, 1, hs)])
+            mask = torch.ones(batch, 1, 1, p + 1, dtype=torch.bool, device=q.device)
+            if not torch.equal(attend(queries, keys, values, attn_mask=mask)[:1], alone):
+                where.add("in a batch")
+        for T in sorted({p + 1, p + 4, n_positions}):
+            if T <= n_positions and not torch.equal(
+                    attend(q[:, :, :T], k[:, :, :T], v[:, :, :T], is_causal=True)[:, :, p:p + 1], alone):
+                where.add("as a prompt's row")
+    return "; ".join(sorted(where))
+
+
+def print_varying_ops(model):
+    """varying_ops for the default path and the batch-invariant one, side by side -> whether every op of the
+    batch-invariant path gave each row the same bits in every call (the bitwise proof's premise)."""
+    config = replace(model.config, batch_invariant=not model.config.batch_invariant)
+    twin = GPT(config).to(model.lm_head.weight.device, model.lm_head.weight.dtype).eval()
+    twin.load_state_dict(model.state_dict())
+    paths = sorted([model, twin], key=lambda m: m.config.batch_invariant)  # default, then invariant
+    found = [varying_ops(m) for m in paths]
+    print(f"each op of a step: where a row's bits differ from the same row's in a call of {BATCH_SIZES[-1]} rows "
+          f"({model.lm_head.weight.device}, {model.lm_head.weight.dtype}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads)")
+    print(f"{'op':24}{'default path':62}batch-invariant path")
+    for name in found[0]:
+        print(f"{name:24}{found[0][name] or 'nowhere':62}{found[1][name] or 'nowhere'}")
+    return not any(found[1].values())
+
+
 def verify(args):
     """Seeded greedy requests through generate and through generate_sequential; each answer
     identical, or apart by rounding, or by a BUG. Exits with status 1 if any is a BUG, else 0."""
     model = seeded_model(args)
     tokenizer = None if args.quick else load_tokenizer(model)
+    if args.ops:
+        sys.exit(0 if print_varying_ops(model) else 1)
+    if model.config.batch_invariant:  # the premise of bit-for-bit logits, on this machine: each op's rows alike
+        varying = {op: where for op, where in varying_ops(model).items() if where}
+        print("the batch-invariant ops on this machine: " + ("each gives a row the same bits in every call" if not
+              varying else "; ".join(f"{op} differs {where}" for op, where in varying.items()) + ": logits may differ"))
 
     def shown_token(token):
         return f"{tokenizer.decode([token])!r} ({token})" if tokenizer else str(token)
@@ -98,11 +193,14 @@ def verify(args):
     # 3) The engine's answers, and from its step reports the logits row of each answer's first
     #    token that differs from the reference's. Request i's k-th row in the reports made its token k.
     n_rows_seen, first_flip = [0] * n_requests, {}  # first_flip[i]: (position in the answer, logits row)
+    rows_kept = {}  # batch-invariant: (i, k) -> the logits row of answer i's token k, for check_bits
 
     def on_step(report):
         for i, row in zip(report.sampled, report.logits):
             k, reference_tokens = n_rows_seen[i], reference[i].tokens
             n_rows_seen[i] += 1
+            if model.config.batch_invariant and k in (0, requests[i].max_new_tokens // 2, requests[i].max_new_tokens - 1):
+                rows_kept[i, k] = row.clone()
             token = int(sample(row, requests[i], None))  # the engine's own rule: the token it took
             if i not in first_flip and k < len(reference_tokens) and token != reference_tokens[k]:
                 first_flip[i] = (k, row.clone())  # a copy: the step's whole (R, V) logits need not stay
@@ -141,12 +239,32 @@ def verify(args):
         print(f"{letter(i)}  {name:9} {line}".rstrip())
     print(f"{n_requests} answers: " + ", ".join(f"{n} {name}" for name, n in counts.items()) +
           f" (generate_sequential {reference_s:.1f} s, generate {batched_s:.1f} s)")
-    sys.exit(1 if counts["BUG"] else 0)
+    n_unequal = 0
+    if model.config.batch_invariant:  # the claim is stronger: the very bits of the logits
+        n_unequal = check_bits(model, requests, batched, rows_kept)
+    sys.exit(1 if counts["BUG"] or n_unequal else 0)
+
+
+def check_bits(model, requests, batched, rows_kept):
+    """Batch-invariant: each answer's first, middle and last token's logits row from the engine against the
+    reference's forward over the same prefix, torch.equal -> how many differ (each named)."""
+    n_compared, unequal = 0, []
+    with torch.no_grad():
+        for (i, k), row in rows_kept.items():
+            prefix = torch.tensor([requests[i].prompt + batched[i].tokens[:k]], device=row.device)  # (1, T)
+            n_compared += 1
+            if not torch.equal(model(prefix)[0, -1], row):
+                unequal.append(f"{letter(i)} token {k}")
+    print(f"bit for bit: {n_compared - len(unequal)} of {n_compared} logits rows (each answer's first, middle and "
+          f"last token's) equal the reference's" + (f"; not {', '.join(unequal)}" if unequal else ""))
+    return len(unequal)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="tools/verify.py", description="batched against sequential answers, each "
                                      "judged: identical, rounding or BUG (exit status 1)")
+    parser.add_argument("--ops", action="store_true", help="only each op of a step, measured on this machine: "
+                        "where a row's bits depend on its batch, on the default path and the batch-invariant one")
     _, args = nanobatch.parse_args(parser, argv, nanobatch.SERVING | {"quick", "weights", "policy"})
     nanobatch.run_cli(verify, args)
 
