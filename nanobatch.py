@@ -35,8 +35,7 @@ POLICIES = ("continuous", "static")
 EOT = 50256  # <|endoftext|>: GPT-2 ends a text with it
 
 # ---------------------------------------------------------------------------------------------
-# Part 1, continuous batching. The data: what a caller sends, and what it gets back; then sampling and stopping,
-# one rule each, shared by the engine and the sequential reference
+# Part 1, continuous batching. The data a caller sends and gets back; sampling and stopping, shared with the reference
 
 @dataclass
 class Request:
@@ -120,6 +119,7 @@ class Running:
     first_token_step: int | None = None
     arrived_at: float = 0.0  # wall time (time.perf_counter) it arrived: its arrival step's start (Part 5: submitted)
     n_found: int = 0  # Part 4: positions it found in the cache at its latest admission
+    block_keys: list[tuple] = field(default_factory=list)  # Part 4: its full blocks' keys, each made once (PrefixCache)
     completion: Completion | None = None  # what its caller gets back, once it has finished
 
     @property
@@ -632,13 +632,12 @@ class PrefixCache(BlockPool):
         super().__init__(model, n_blocks, block_size)
         self.n_tables = [0] * n_blocks  # how many block tables list each block: a shared one, several
         self.key_of, self.block_with = {}, {}  # each keyed block's key; the block that holds each key
-        self.chains = {}  # request index -> its full blocks' keys, each made once while it holds a slot
         self.n_keyed = {}  # request index -> how many blocks of its table are keyed (found ones are)
         self.evicted = []  # the kept blocks that this step's new work took, for its report: make_room's
 
     def keys(self, run, n_blocks):
         """Keys of run's first n_blocks full blocks, each (parent's key, tokens): equal keys, equal prefixes."""
-        keys = self.chains.setdefault(run.request_index, [])
+        keys = run.block_keys  # made once, kept with the request: at a refused try too, and across a preemption
         if len(keys) < n_blocks:  # only the keys not made yet
             sequence = run.request.prompt + run.tokens
             for start in range(len(keys) * self.block_size, n_blocks * self.block_size, self.block_size):
@@ -668,7 +667,6 @@ class PrefixCache(BlockPool):
             run.block_table.append(block)
         if not super().admit(run, slot, belt):
             self.release(run)  # it waits, holding nothing: what it found, kept, at the back of the line
-            del self.chains[run.request_index]  # looked up again at its next try (Part 5: it may go instead)
             return False
         run.n_cached = run.n_found = len(run.block_table) * self.block_size
         self.n_keyed[run.request_index] = len(run.block_table)  # the blocks found are keyed already
@@ -701,7 +699,7 @@ class PrefixCache(BlockPool):
 
     def vacate(self, run, belt):  # as BlockPool's, but what forwards wrote for it is kept, matchable
         self.key_written([run])
-        del self.chains[run.request_index], self.n_keyed[run.request_index]  # made again if it comes back
+        del self.n_keyed[run.request_index]  # counted again if it comes back
         self.release(run)
         self.holders.remove(run)
         belt[run.slot] = None

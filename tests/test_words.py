@@ -151,15 +151,46 @@ def test_a_refused_admission_leaves_n_found_as_its_last_admission(worked, monkey
 
 
 def test_each_blocks_key_is_made_once(worked, monkeypatch):
-    """A block's key, (its parent's key, its tokens), is made once while its request holds a slot, not
-    again at each admission for every request in a slot; a request trying for a slot looks its keys up
-    at each try. In docs/api.md's run: A's 7 full blocks; B's 5 looked up at step 1 and its sixth as it
-    was preempted; then its 6 at each of its tries, steps 6, 7 and 8: 31 keys, each one tuple of
-    tokens. Made again at each admission for the belt, as they once were, they were 64."""
+    """A block's key, (its parent's key, its tokens), is made once for its request (Running.block_keys), and
+    kept with it: not again at each admission for every request in a slot, nor at each try of a request
+    refused, nor when a preempted one comes back. In docs/api.md's run: A's 7 full blocks; B's 5 looked up
+    at step 1 and its sixth as it was preempted; none at its tries, steps 6, 7 and 8: 13 keys, each one
+    tuple of tokens. Made again at each of B's tries, they were 31; at each admission for the belt, 64."""
     made = []
     monkeypatch.setattr(nanobatch, "tuple", lambda tokens: made.append(tokens) or tuple(tokens), raising=False)
     served(WORKED, **WORKED_OPTIONS)
-    assert len(made) == 7 + 5 + 1 + 3 * 6
+    assert len(made) == 7 + 5 + 1
+
+
+def test_a_request_refused_for_many_steps_keys_its_prompt_once(monkeypatch):
+    """A (4 tokens, 20 to make) holds a pool of 14 blocks of 2 while B (25 tokens: 12 full blocks before its
+    last one) is refused at every step from 1 to 19: B's 12 keys are made at its first try and kept with
+    it (dropped at each refusal, they were made at every try: 19 x 12 = 228). The pool keeps nothing of a
+    request that waits, its keys being the request's own: one that leaves the queue (Part 5: cancelled)
+    leaves nothing in the cache to forget."""
+    made_for_b, refusals = [], []
+    keys, admit = nanobatch.PrefixCache.keys, nanobatch.PrefixCache.admit
+
+    def counting(pool, run, n_blocks):  # the keys made for B: those its list lacked before the call
+        n_before = len(run.block_keys)
+        found = keys(pool, run, n_blocks)
+        made_for_b.extend(run.block_keys[n_before:] if run.request_index == 1 else [])
+        return found
+
+    def noting(pool, run, slot, belt):
+        n_before = len(made_for_b)
+        admitted = admit(pool, run, slot, belt)
+        if not admitted:  # keys made at this try; the pool's per-request counts: only those in a slot
+            refusals.append((len(made_for_b) - n_before, set(pool.n_keyed) == {0}))
+        return admitted
+
+    monkeypatch.setattr(nanobatch.PrefixCache, "keys", counting)
+    monkeypatch.setattr(nanobatch.PrefixCache, "admit", noting)
+    requests = [Request(list(range(1, 5)), 20), Request(list(range(100, 125)), 2, arrival=1)]
+    _, reports, _ = served(requests, kv_blocks=14, kv_block_size=2, prefix_cache=True)
+    assert [report.step for report in reports if report.waiting == [1]] == list(range(1, 20))
+    assert refusals == [(12, True)] + [(0, True)] * 18, refusals
+    assert len(made_for_b) == 12 + 1  # and its 13th block's key, made as it retires
 
 
 # ---------------------------------------------------------------------------------------------
