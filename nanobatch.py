@@ -525,23 +525,24 @@ class PrefillWorker:
 # Part 3, paged attention: the cache as a pool of blocks
 #
 # Per slot, each slot reserves max_len positions for the longest answer it might give, and most never hold a token.
-# Paged (vLLM's PagedAttention), the cache is a pool of small blocks, and a request's block table lists the blocks
-# that hold its positions: position p lives at offset p % block_size of block block_table[p // block_size]. A request
-# takes a block when its tokens reach one and gives its blocks back when it leaves: n_slots only caps how many
-# requests step together. The mask does not change: it speaks of positions, and the block table only says where a
-# position's keys live (model.attend_packed writes through it, model.slot_positions reads through it). Which block is
-# taken: the free blocks wait in a line, 0, 1, 2, ... at first; a step's feeds take the blocks their new positions
-# reach, in the step's order (plan_step's), each from the front of the line, and a leaving request's blocks, wiped,
-# join its back in table order. No block is nearer than another: the order only makes a run predictable by hand. When
-# a step needs a block and none is free, the most recently admitted request still in a slot gives its blocks back (a
-# bystander, perhaps, not the request short of a block) and returns to the head of the queue with its tokens:
+# Paged (vLLM's PagedAttention), the cache is a pool of small blocks, and a request's block table lists the blocks that
+# hold its positions: position p lives at offset p % block_size of block block_table[p // block_size]. A request takes a
+# block when its tokens reach one and gives its blocks back when it leaves: n_slots only caps how many requests step
+# together. The mask does not change: it speaks of positions, and the block table only says where a position's keys live
+# (model.attend_packed writes through it, model.slot_positions reads through it). Which block is taken: the free blocks
+# wait in a line, 0, 1, 2, ... at first; a step's feeds take the blocks their new positions reach, in the step's order
+# (plan_step's), each from the front of the line, and a leaving request's blocks, wiped, join its back in table order
+# (Part 4: its keyed ones only, kept). No block is nearer than another: the order only makes a run predictable by hand.
+# When a step needs a block and none is free, the most recently admitted request still in a slot gives its blocks back
+# (a bystander, perhaps, not the request short of a block) and returns to the head of the queue with its tokens:
 # preemption by recompute, vLLM's default. It comes back in a later step, never the one that preempted it, into the
 # lowest free slot (not its old one), once admission's rule lets it; until then the queue behind it waits. Taken in
-# again, it feeds its prompt and answer again under the same prompt budget (Part 4: only what it does not find), and
-# its generator carries on. Admission counts, as vLLM's v0 scheduler did (can_allocate, with its watermark of free
-# blocks), each request's whole sequence so far and a little room to grow: without it, a newcomer took the last free
-# blocks and was preempted a step or two later to feed its prompt all over again (docs/benchmarks.md). A newcomer onto
-# an empty belt gets no room: the input checks saw to it that its whole sequence fits.
+# again, it feeds its prompt and answer again under the same prompt budget (Part 4: only what it does not find), and its
+# generator carries on. Admission counts, as vLLM's v0 scheduler did (can_allocate, with its watermark of free blocks),
+# each request's whole sequence so far and a little room to grow, however few tokens it has left to make: for n tokens,
+# ceil((n + ROOM_TO_GROW) / block_size) blocks. Without it, a newcomer took the last free blocks and was preempted a
+# step or two later to feed its prompt all over again (docs/benchmarks.md). A newcomer onto an empty belt gets no room:
+# the input checks saw to it that its whole sequence fits.
 
 ROOM_TO_GROW = 3  # tokens of growth kept free for each request at admission: the fewest that end the demo's thrash
 
@@ -567,8 +568,8 @@ class BlockPool(SlotBlocks):
     def admit(self, run, slot, belt):
         """Seat run in the free slot if the free blocks hold, for it and for each request on the belt,
         its whole sequence so far (fed or not: a prompt, or a preempted request's prompt and answer)
-        beyond the blocks it holds, and, unless the belt is empty, ROOM_TO_GROW tokens more -> whether it
-        did. That is never less than a step feeds, so a step that admits never preempts."""
+        beyond the blocks it holds, and, unless the belt is empty, ROOM_TO_GROW tokens more (even past its
+        max_new_tokens) -> whether it did. That is never less than a step feeds: a step that admits never preempts."""
         room = ROOM_TO_GROW if self.holders else 0  # alone, it grows into blocks no one else wants
         on_belt = [held for held in belt if held is not None] + [run]
         n_needed = sum(self.n_blocks_needed(held, len(held.request.prompt) + len(held.tokens) + room)
@@ -616,14 +617,16 @@ class BlockPool(SlotBlocks):
 # Part 4, prefix caching: a shared prompt's blocks computed once
 #
 # Chat requests share a system prompt, agents whole conversations. A full block's keys and values depend only on the
-# tokens up to its end, so a request whose sequence starts with the same tokens may take that block into its block
-# table instead of computing it again (vLLM's automatic prefix caching, SGLang's RadixAttention, nano-vllm's block
-# manager). A full block's key is its tokens and its parent's key, so equal blocks after different prefixes never
-# match; answer blocks get keys too, so a preempted request finds its own again. A request takes the blocks found,
-# anyone's, wholly before its last token, which it always feeds: it samples, and never writes into a shared block. A
-# block is keyed once, after the forward that wrote it: at an admission (refused or not) or as its request leaves. One
-# whose last holder leaves joins the back of the free line, kept, matchable; a plain one, wiped, its front. New work
-# takes the front: plain blocks, then kept ones, least recently used first.
+# tokens up to its end, so a request whose sequence starts with the same tokens may take that block into its block table
+# instead of computing it again (vLLM's automatic prefix caching, SGLang's RadixAttention, nano-vllm's block manager). A
+# full block's key is its tokens and its parent's key, so equal blocks after different prefixes never match; answer
+# blocks get keys too, so a preempted request finds its own again. A request takes the blocks found, anyone's, wholly
+# before its last token, which it always feeds: it samples, and never writes into a shared block. A block is keyed once,
+# after the forward that wrote it: at the next admission tried (refused or not; none is tried while nobody waits or no
+# slot is free), the belt's in slot order, or as its request leaves. A request's blocks are let go one by one, in table
+# order; one that no table lists any more is free: if keyed, at the back of the free line, kept, matchable; if plain,
+# wiped, at its front (plain ones freed together stand there reversed). New work takes the front: plain blocks, then
+# kept ones, least recently used first.
 
 class PrefixCache(BlockPool):
     """A BlockPool whose full blocks outlive their requests, found again by key at admission."""

@@ -42,8 +42,8 @@ ROOM = 3  # tokens of growth admission keeps free for each request (nanobatch.RO
 #  4. A request whose feed brings all it has into the cache makes a token; it is done at
 #     max_new_tokens or when prompt and answer fill max_len; done, it leaves after the report.
 #  5. Prefix cache: a full block is known by the whole prefix it ends; a block is known from the
-#     first admission after the forward that wrote it, or as its request leaves; a prefix known
-#     already stays with the block that has it. A block that no table lists is free: kept while
+#     first admission tried (refused or not) after the forward that wrote it, or as its request
+#     leaves; a prefix known already stays with the block that has it. A block that no table lists is free: kept while
 #     known, in order of release; new blocks come from the unknown ones first, then the kept one
 #     released longest ago, which is forgotten (evicted).
 
