@@ -963,9 +963,9 @@ def letter(request_index):
 @dataclass
 class StepReport:
     step: int
-    belt: str  # a character per slot: letter() of who made a token there, '~' a prompt not all in, '.' idle
+    belt: str  # a character per slot: letter() of who made a token there, '~' a request that made none, '.' idle
     n_running: int  # requests that made a token this step
-    n_prefilling: int  # requests in a slot whose prompt is not all in the cache yet
+    n_prefilling: int  # requests in a slot that made none: a prompt going in (Part 3: a comeback's prompt and answer)
     n_waiting: int  # arrived requests still queued
     n_prompt_tokens: int  # prompt tokens that went through the model this step
     admitted: list[int]  # request indices that took a slot this step
@@ -997,10 +997,13 @@ class StepReport:
 def step_report(step, step_start, belt, waiting, blocks, prompts, admitted, preempted, packed, n_prompt_tokens,
                 logits, model_s, handovers, sampled, finished):
     """The step's StepReport, from what the loop recorded and the belt before phase 7; made only if asked."""
+    made_a_token = {run.request_index for run in sampled}  # a comeback fed all but its newest: no token, nor prefilling
     return StepReport(
         step=step, n_running=len(sampled), n_waiting=len(waiting),
-        belt="".join("." if run is None else "~" if run.is_prefilling else letter(run.request_index) for run in belt),
-        n_prefilling=sum(run is not None and run.is_prefilling for run in belt), n_prompt_tokens=n_prompt_tokens,
+        belt="".join("." if run is None else letter(run.request_index) if run.request_index in made_a_token else "~"
+                     for run in belt),
+        n_prefilling=sum(run is not None and run.request_index not in made_a_token for run in belt),
+        n_prompt_tokens=n_prompt_tokens,
         admitted=[run.request_index for run in admitted], found_cached=[run.n_found for run in admitted],
         cached_free=list(blocks.kept), kv_kept=len(blocks.kept) * blocks.cache.kv.size(3),
         evicted=blocks.evicted,  # Part 4's record, a new list each step; SlotBlocks, BlockPool: None

@@ -223,7 +223,7 @@ class Simulator:
             steps.append(dict(
                 step=step, admitted=[s.i for s in admitted], preempted=preempted,
                 occupants=[None if s is None else s.i for s in belt], waiting=[s.i for s in waiting],
-                belt="".join("." if s is None else "~" if s.prefilling else nanobatch.letter(s.i) for s in belt),
+                belt="".join("." if s is None else nanobatch.letter(s.i) if s in making else "~" for s in belt),
                 sampled=sorted(s.i for s in making), finished=sorted(s.i for s in finished),
                 n_prompt_tokens=n_prompt_tokens, rows=sum(n for _, n in feeds) + n_padding,
                 n_cached=[0 if s is None else s.n_cached for s in belt],

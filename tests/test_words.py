@@ -4,9 +4,10 @@ the paged cache and of the prefix cache in short, docs/api.md in full: which blo
 is admitted (blocks found count as held, a kept block found is not free, room to grow only beside
 others), when blocks are keyed, what a preempted request does when it comes back, and what the
 StepReport's fields hold. docs/api.md works one run by hand, paged and prefix-cached, with a
-preemption and a comeback: the first test holds every cell of its table to the engine's reports, so
-that the text cannot drift from the code. The other runs are worked out here, each in a comment that
-reads the rule it pins, on two slots, eos_id=None (each request makes exactly its tokens), a tiny model.
+preemption and a comeback, and sets a second to predict, chunked, with refusals, a preemption and
+evictions: a test holds every cell of each table to the engine's reports, so that the text cannot
+drift from the code. The other runs are worked out here, each in a comment that reads the rule it
+pins, on two slots, eos_id=None (each request makes exactly its tokens), a tiny model.
 """
 import inspect
 import io
@@ -194,6 +195,43 @@ def test_a_request_refused_for_many_steps_keys_its_prompt_once(monkeypatch):
     assert [report.step for report in reports if report.waiting == [1]] == list(range(1, 20))
     assert refusals == [(12, True)] + [(0, True)] * 18, refusals
     assert len(made_for_b) == 12 + 1  # and its 13th block's key, made as it retires
+
+
+def second_run_section():
+    """docs/api.md's section "A second run: predict it before you read on", up to the next heading."""
+    text = (REPO / "docs" / "api.md").read_text()
+    section = text[text.index("### A second run: predict it before you read on"):]
+    return section[:section.index("\n## ")]
+
+
+def test_the_second_run_in_docs_api_is_the_engines(monkeypatch):
+    """docs/api.md's exercise, run as its own code block says (generate's call recorded, then run with
+    every report kept): every cell of its table, the Completions and the prefix cache hits it states."""
+    section = second_run_section()
+    code = section[section.index("```python\n") + len("```python\n"):section.index("\n```", section.index("```python"))]
+    calls = []
+    monkeypatch.setattr(nanobatch, "generate", lambda model, requests, **options: calls.append((requests, options)))
+    exec(code, {})
+    [(requests, options)] = calls
+    monkeypatch.undo()
+    reports, printed = [], io.StringIO()
+
+    def on_step(report):
+        reports.append(report)
+        with redirect_stdout(printed):
+            print_step(report)
+
+    completions = generate(tiny_gpt(), requests, **dict(options, on_step=on_step))
+    start = section.index("```text\n") + len("```text\n")
+    check_against(section[start:section.index("\n```", start)], reports, printed.getvalue().splitlines())
+    c = completions[2]
+    says = " ".join(section.split())
+    assert f"`admit_step` {c.admit_step}, `finish_step` {c.finish_step}, `slot` {c.slot}" in says
+    hits = summarize(requests, completions, reports, wall_s=1.0)["prefix cache hits"]
+    assert f"16 of 39, {hits:.0%}" in says and hits == 16 / 39
+    assert [len(c.tokens) for c in completions] == [request.max_new_tokens for request in requests]
+    reference = generate_sequential(tiny_gpt(), requests, max_len=options["max_len"], eos_id=None)
+    assert [c.tokens for c in completions] == [c.tokens for c in reference]
 
 
 # ---------------------------------------------------------------------------------------------
