@@ -35,8 +35,7 @@ POLICIES = ("continuous", "static")
 EOT = 50256  # <|endoftext|>: GPT-2 ends a text with it
 
 # ---------------------------------------------------------------------------------------------
-# Part 1, continuous batching. The data: what a caller sends, and what it gets back; then sampling and stopping,
-# one rule each, shared by the engine and the sequential reference
+# Part 1, continuous batching. The data a caller sends and gets back; sampling and stopping, shared with the reference
 
 @dataclass
 class Request:
@@ -120,6 +119,7 @@ class Running:
     first_token_step: int | None = None
     arrived_at: float = 0.0  # wall time (time.perf_counter) it arrived: its arrival step's start (Part 5: submitted)
     n_found: int = 0  # Part 4: positions it found in the cache at its latest admission
+    block_keys: list[tuple] = field(default_factory=list)  # Part 4: its full blocks' keys, each made once (PrefixCache)
     completion: Completion | None = None  # what its caller gets back, once it has finished
 
     @property
@@ -525,23 +525,24 @@ class PrefillWorker:
 # Part 3, paged attention: the cache as a pool of blocks
 #
 # Per slot, each slot reserves max_len positions for the longest answer it might give, and most never hold a token.
-# Paged (vLLM's PagedAttention), the cache is a pool of small blocks, and a request's block table lists the blocks
-# that hold its positions: position p lives at offset p % block_size of block block_table[p // block_size]. A request
-# takes a block when its tokens reach one and gives its blocks back when it leaves: n_slots only caps how many
-# requests step together. The mask does not change: it speaks of positions, and the block table only says where a
-# position's keys live (model.attend_packed writes through it, model.slot_positions reads through it). Which block is
-# taken: the free blocks wait in a line, 0, 1, 2, ... at first; a step's feeds take the blocks their new positions
-# reach, in the step's order (plan_step's), each from the front of the line, and a leaving request's blocks, wiped,
-# join its back in table order. No block is nearer than another: the order only makes a run predictable by hand. When
-# a step needs a block and none is free, the most recently admitted request still in a slot gives its blocks back (a
-# bystander, perhaps, not the request short of a block) and returns to the head of the queue with its tokens:
+# Paged (vLLM's PagedAttention), the cache is a pool of small blocks, and a request's block table lists the blocks that
+# hold its positions: position p lives at offset p % block_size of block block_table[p // block_size]. A request takes a
+# block when its tokens reach one and gives its blocks back when it leaves: n_slots only caps how many requests step
+# together. The mask does not change: it speaks of positions, and the block table only says where a position's keys live
+# (model.attend_packed writes through it, model.slot_positions reads through it). Which block is taken: the free blocks
+# wait in a line, 0, 1, 2, ... at first; a step's feeds take the blocks their new positions reach, in the step's order
+# (plan_step's), each from the front of the line, and a leaving request's blocks, wiped, join its back in table order
+# (Part 4: its keyed ones only, kept). No block is nearer than another: the order only makes a run predictable by hand.
+# When a step needs a block and none is free, the most recently admitted request still in a slot gives its blocks back
+# (a bystander, perhaps, not the request short of a block) and returns to the head of the queue with its tokens:
 # preemption by recompute, vLLM's default. It comes back in a later step, never the one that preempted it, into the
 # lowest free slot (not its old one), once admission's rule lets it; until then the queue behind it waits. Taken in
-# again, it feeds its prompt and answer again under the same prompt budget (Part 4: only what it does not find), and
-# its generator carries on. Admission counts, as vLLM's v0 scheduler did (can_allocate, with its watermark of free
-# blocks), each request's whole sequence so far and a little room to grow: without it, a newcomer took the last free
-# blocks and was preempted a step or two later to feed its prompt all over again (docs/benchmarks.md). A newcomer onto
-# an empty belt gets no room: the input checks saw to it that its whole sequence fits.
+# again, it feeds its prompt and answer again under the same prompt budget (Part 4: only what it does not find), and its
+# generator carries on. Admission counts, as vLLM's v0 scheduler did (can_allocate, with its watermark of free blocks),
+# each request's whole sequence so far and a little room to grow, however few tokens it has left to make: for n tokens,
+# ceil((n + ROOM_TO_GROW) / block_size) blocks. Without it, a newcomer took the last free blocks and was preempted a
+# step or two later to feed its prompt all over again (docs/benchmarks.md). A newcomer onto an empty belt gets no room:
+# the input checks saw to it that its whole sequence fits.
 
 ROOM_TO_GROW = 3  # tokens of growth kept free for each request at admission: the fewest that end the demo's thrash
 
@@ -567,8 +568,8 @@ class BlockPool(SlotBlocks):
     def admit(self, run, slot, belt):
         """Seat run in the free slot if the free blocks hold, for it and for each request on the belt,
         its whole sequence so far (fed or not: a prompt, or a preempted request's prompt and answer)
-        beyond the blocks it holds, and, unless the belt is empty, ROOM_TO_GROW tokens more -> whether it
-        did. That is never less than a step feeds, so a step that admits never preempts."""
+        beyond the blocks it holds, and, unless the belt is empty, ROOM_TO_GROW tokens more (even past its
+        max_new_tokens) -> whether it did. That is never less than a step feeds: a step that admits never preempts."""
         room = ROOM_TO_GROW if self.holders else 0  # alone, it grows into blocks no one else wants
         on_belt = [held for held in belt if held is not None] + [run]
         n_needed = sum(self.n_blocks_needed(held, len(held.request.prompt) + len(held.tokens) + room)
@@ -616,14 +617,16 @@ class BlockPool(SlotBlocks):
 # Part 4, prefix caching: a shared prompt's blocks computed once
 #
 # Chat requests share a system prompt, agents whole conversations. A full block's keys and values depend only on the
-# tokens up to its end, so a request whose sequence starts with the same tokens may take that block into its block
-# table instead of computing it again (vLLM's automatic prefix caching, SGLang's RadixAttention, nano-vllm's block
-# manager). A full block's key is its tokens and its parent's key, so equal blocks after different prefixes never
-# match; answer blocks get keys too, so a preempted request finds its own again. A request takes the blocks found,
-# anyone's, wholly before its last token, which it always feeds: it samples, and never writes into a shared block. A
-# block is keyed once, after the forward that wrote it: at an admission (refused or not) or as its request leaves. One
-# whose last holder leaves joins the back of the free line, kept, matchable; a plain one, wiped, its front. New work
-# takes the front: plain blocks, then kept ones, least recently used first.
+# tokens up to its end, so a request whose sequence starts with the same tokens may take that block into its block table
+# instead of computing it again (vLLM's automatic prefix caching, SGLang's RadixAttention, nano-vllm's block manager). A
+# full block's key is its tokens and its parent's key, so equal blocks after different prefixes never match; answer
+# blocks get keys too, so a preempted request finds its own again. A request takes the blocks found, anyone's, wholly
+# before its last token, which it always feeds: it samples, and never writes into a shared block. A block is keyed once,
+# after the forward that wrote it: at the next admission tried (refused or not; none is tried while nobody waits or no
+# slot is free), the belt's in slot order, or as its request leaves. A request's blocks are let go one by one, in table
+# order; one that no table lists any more is free: if keyed, at the back of the free line, kept, matchable; if plain,
+# wiped, at its front (plain ones freed together stand there reversed). New work takes the front: plain blocks, then
+# kept ones, least recently used first.
 
 class PrefixCache(BlockPool):
     """A BlockPool whose full blocks outlive their requests, found again by key at admission."""
@@ -632,13 +635,12 @@ class PrefixCache(BlockPool):
         super().__init__(model, n_blocks, block_size)
         self.n_tables = [0] * n_blocks  # how many block tables list each block: a shared one, several
         self.key_of, self.block_with = {}, {}  # each keyed block's key; the block that holds each key
-        self.chains = {}  # request index -> its full blocks' keys, each made once while it holds a slot
         self.n_keyed = {}  # request index -> how many blocks of its table are keyed (found ones are)
         self.evicted = []  # the kept blocks that this step's new work took, for its report: make_room's
 
     def keys(self, run, n_blocks):
         """Keys of run's first n_blocks full blocks, each (parent's key, tokens): equal keys, equal prefixes."""
-        keys = self.chains.setdefault(run.request_index, [])
+        keys = run.block_keys  # made once, kept with the request: at a refused try too, and across a preemption
         if len(keys) < n_blocks:  # only the keys not made yet
             sequence = run.request.prompt + run.tokens
             for start in range(len(keys) * self.block_size, n_blocks * self.block_size, self.block_size):
@@ -668,7 +670,6 @@ class PrefixCache(BlockPool):
             run.block_table.append(block)
         if not super().admit(run, slot, belt):
             self.release(run)  # it waits, holding nothing: what it found, kept, at the back of the line
-            del self.chains[run.request_index]  # looked up again at its next try (Part 5: it may go instead)
             return False
         run.n_cached = run.n_found = len(run.block_table) * self.block_size
         self.n_keyed[run.request_index] = len(run.block_table)  # the blocks found are keyed already
@@ -701,7 +702,7 @@ class PrefixCache(BlockPool):
 
     def vacate(self, run, belt):  # as BlockPool's, but what forwards wrote for it is kept, matchable
         self.key_written([run])
-        del self.chains[run.request_index], self.n_keyed[run.request_index]  # made again if it comes back
+        del self.n_keyed[run.request_index]  # counted again if it comes back
         self.release(run)
         self.holders.remove(run)
         belt[run.slot] = None
@@ -962,9 +963,9 @@ def letter(request_index):
 @dataclass
 class StepReport:
     step: int
-    belt: str  # a character per slot: letter() of who made a token there, '~' a prompt not all in, '.' idle
+    belt: str  # a character per slot: letter() of who made a token there, '~' a request that made none, '.' idle
     n_running: int  # requests that made a token this step
-    n_prefilling: int  # requests in a slot whose prompt is not all in the cache yet
+    n_prefilling: int  # requests in a slot that made none: a prompt going in (Part 3: a comeback's prompt and answer)
     n_waiting: int  # arrived requests still queued
     n_prompt_tokens: int  # prompt tokens that went through the model this step
     admitted: list[int]  # request indices that took a slot this step
@@ -996,10 +997,13 @@ class StepReport:
 def step_report(step, step_start, belt, waiting, blocks, prompts, admitted, preempted, packed, n_prompt_tokens,
                 logits, model_s, handovers, sampled, finished):
     """The step's StepReport, from what the loop recorded and the belt before phase 7; made only if asked."""
+    made_a_token = {run.request_index for run in sampled}  # a comeback fed all but its newest: no token, nor prefilling
     return StepReport(
         step=step, n_running=len(sampled), n_waiting=len(waiting),
-        belt="".join("." if run is None else "~" if run.is_prefilling else letter(run.request_index) for run in belt),
-        n_prefilling=sum(run is not None and run.is_prefilling for run in belt), n_prompt_tokens=n_prompt_tokens,
+        belt="".join("." if run is None else letter(run.request_index) if run.request_index in made_a_token else "~"
+                     for run in belt),
+        n_prefilling=sum(run is not None and run.request_index not in made_a_token for run in belt),
+        n_prompt_tokens=n_prompt_tokens,
         admitted=[run.request_index for run in admitted], found_cached=[run.n_found for run in admitted],
         cached_free=list(blocks.kept), kv_kept=len(blocks.kept) * blocks.cache.block_size,
         evicted=blocks.evicted,  # Part 4's record, a new list each step; SlotBlocks, BlockPool: None

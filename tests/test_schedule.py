@@ -42,8 +42,8 @@ ROOM = 3  # tokens of growth admission keeps free for each request (nanobatch.RO
 #  4. A request whose feed brings all it has into the cache makes a token; it is done at
 #     max_new_tokens or when prompt and answer fill max_len; done, it leaves after the report.
 #  5. Prefix cache: a full block is known by the whole prefix it ends; a block is known from the
-#     first admission after the forward that wrote it, or as its request leaves; a prefix known
-#     already stays with the block that has it. A block that no table lists is free: kept while
+#     first admission tried (refused or not) after the forward that wrote it, or as its request
+#     leaves; a prefix known already stays with the block that has it. A block that no table lists is free: kept while
 #     known, in order of release; new blocks come from the unknown ones first, then the kept one
 #     released longest ago, which is forgotten (evicted).
 
@@ -223,7 +223,7 @@ class Simulator:
             steps.append(dict(
                 step=step, admitted=[s.i for s in admitted], preempted=preempted,
                 occupants=[None if s is None else s.i for s in belt], waiting=[s.i for s in waiting],
-                belt="".join("." if s is None else "~" if s.prefilling else nanobatch.letter(s.i) for s in belt),
+                belt="".join("." if s is None else nanobatch.letter(s.i) if s in making else "~" for s in belt),
                 sampled=sorted(s.i for s in making), finished=sorted(s.i for s in finished),
                 n_prompt_tokens=n_prompt_tokens, rows=sum(n for _, n in feeds) + n_padding,
                 n_cached=[0 if s is None else s.n_cached for s in belt],

@@ -4,19 +4,23 @@ the paged cache and of the prefix cache in short, docs/api.md in full: which blo
 is admitted (blocks found count as held, a kept block found is not free, room to grow only beside
 others), when blocks are keyed, what a preempted request does when it comes back, and what the
 StepReport's fields hold. docs/api.md works one run by hand, paged and prefix-cached, with a
-preemption and a comeback: the first test holds every cell of its table to the engine's reports, so
-that the text cannot drift from the code. The other runs are worked out here, each in a comment that
-reads the rule it pins, on two slots, eos_id=None (each request makes exactly its tokens), a tiny model.
+preemption and a comeback, and sets a second to predict, chunked, with refusals, a preemption and
+evictions: a test holds every cell of each table to the engine's reports, so that the text cannot
+drift from the code. The other runs are worked out here, each in a comment that reads the rule it
+pins, on two slots, eos_id=None (each request makes exactly its tokens), a tiny model.
 """
+import inspect
 import io
 import re
+import threading
 from contextlib import redirect_stdout
 
 import pytest
 
 import nanobatch
-from nanobatch import Request, generate, generate_sequential, letter, print_step, print_table, summarize
-from tests.common import MAX_LEN, REPO, tiny_gpt
+from nanobatch import (LiveRequests, Request, generate, generate_sequential, letter, print_step, print_table,
+                       summarize)
+from tests.common import MAX_LEN, REPO, TIMEOUT_S, tiny_gpt
 
 # ---------------------------------------------------------------------------------------------
 # The runs, and their steps as tables: a column per field, `-` for none; a request by its letter;
@@ -151,15 +155,83 @@ def test_a_refused_admission_leaves_n_found_as_its_last_admission(worked, monkey
 
 
 def test_each_blocks_key_is_made_once(worked, monkeypatch):
-    """A block's key, (its parent's key, its tokens), is made once while its request holds a slot, not
-    again at each admission for every request in a slot; a request trying for a slot looks its keys up
-    at each try. In docs/api.md's run: A's 7 full blocks; B's 5 looked up at step 1 and its sixth as it
-    was preempted; then its 6 at each of its tries, steps 6, 7 and 8: 31 keys, each one tuple of
-    tokens. Made again at each admission for the belt, as they once were, they were 64."""
+    """A block's key, (its parent's key, its tokens), is made once for its request (Running.block_keys), and
+    kept with it: not again at each admission for every request in a slot, nor at each try of a request
+    refused, nor when a preempted one comes back. In docs/api.md's run: A's 7 full blocks; B's 5 looked up
+    at step 1 and its sixth as it was preempted; none at its tries, steps 6, 7 and 8: 13 keys, each one
+    tuple of tokens. Made again at each of B's tries, they were 31; at each admission for the belt, 64."""
     made = []
     monkeypatch.setattr(nanobatch, "tuple", lambda tokens: made.append(tokens) or tuple(tokens), raising=False)
     served(WORKED, **WORKED_OPTIONS)
-    assert len(made) == 7 + 5 + 1 + 3 * 6
+    assert len(made) == 7 + 5 + 1
+
+
+def test_a_request_refused_for_many_steps_keys_its_prompt_once(monkeypatch):
+    """A (4 tokens, 20 to make) holds a pool of 14 blocks of 2 while B (25 tokens: 12 full blocks before its
+    last one) is refused at every step from 1 to 19: B's 12 keys are made at its first try and kept with
+    it (dropped at each refusal, they were made at every try: 19 x 12 = 228). The pool keeps nothing of a
+    request that waits, its keys being the request's own: one that leaves the queue (Part 5: cancelled)
+    leaves nothing in the cache to forget."""
+    made_for_b, refusals = [], []
+    keys, admit = nanobatch.PrefixCache.keys, nanobatch.PrefixCache.admit
+
+    def counting(pool, run, n_blocks):  # the keys made for B: those its list lacked before the call
+        n_before = len(run.block_keys)
+        found = keys(pool, run, n_blocks)
+        made_for_b.extend(run.block_keys[n_before:] if run.request_index == 1 else [])
+        return found
+
+    def noting(pool, run, slot, belt):
+        n_before = len(made_for_b)
+        admitted = admit(pool, run, slot, belt)
+        if not admitted:  # keys made at this try; the pool's per-request counts: only those in a slot
+            refusals.append((len(made_for_b) - n_before, set(pool.n_keyed) == {0}))
+        return admitted
+
+    monkeypatch.setattr(nanobatch.PrefixCache, "keys", counting)
+    monkeypatch.setattr(nanobatch.PrefixCache, "admit", noting)
+    requests = [Request(list(range(1, 5)), 20), Request(list(range(100, 125)), 2, arrival=1)]
+    _, reports, _ = served(requests, kv_blocks=14, kv_block_size=2, prefix_cache=True)
+    assert [report.step for report in reports if report.waiting == [1]] == list(range(1, 20))
+    assert refusals == [(12, True)] + [(0, True)] * 18, refusals
+    assert len(made_for_b) == 12 + 1  # and its 13th block's key, made as it retires
+
+
+def second_run_section():
+    """docs/api.md's section "A second run: predict it before you read on", up to the next heading."""
+    text = (REPO / "docs" / "api.md").read_text()
+    section = text[text.index("### A second run: predict it before you read on"):]
+    return section[:section.index("\n## ")]
+
+
+def test_the_second_run_in_docs_api_is_the_engines(monkeypatch):
+    """docs/api.md's exercise, run as its own code block says (generate's call recorded, then run with
+    every report kept): every cell of its table, the Completions and the prefix cache hits it states."""
+    section = second_run_section()
+    code = section[section.index("```python\n") + len("```python\n"):section.index("\n```", section.index("```python"))]
+    calls = []
+    monkeypatch.setattr(nanobatch, "generate", lambda model, requests, **options: calls.append((requests, options)))
+    exec(code, {})
+    [(requests, options)] = calls
+    monkeypatch.undo()
+    reports, printed = [], io.StringIO()
+
+    def on_step(report):
+        reports.append(report)
+        with redirect_stdout(printed):
+            print_step(report)
+
+    completions = generate(tiny_gpt(), requests, **dict(options, on_step=on_step))
+    start = section.index("```text\n") + len("```text\n")
+    check_against(section[start:section.index("\n```", start)], reports, printed.getvalue().splitlines())
+    c = completions[2]
+    says = " ".join(section.split())
+    assert f"`admit_step` {c.admit_step}, `finish_step` {c.finish_step}, `slot` {c.slot}" in says
+    hits = summarize(requests, completions, reports, wall_s=1.0)["prefix cache hits"]
+    assert f"16 of 39, {hits:.0%}" in says and hits == 16 / 39
+    assert [len(c.tokens) for c in completions] == [request.max_new_tokens for request in requests]
+    reference = generate_sequential(tiny_gpt(), requests, max_len=options["max_len"], eos_id=None)
+    assert [c.tokens for c in completions] == [c.tokens for c in reference]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,6 +367,98 @@ def test_a_refused_admission_keys_blocks_and_reorders_the_kept_ones(monkeypatch)
     _, reports, lines = served(requests, kv_blocks=5, kv_block_size=2, prefix_cache=True)
     check_against(REORDER, reports, lines)
     assert keyed_at_refusal[0] == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# The rules a reader predicting by hand must hold exactly: room to grow, when a block is keyed, the
+# order of blocks freed together, a prompt's last token fed alone, max_len's default, a cancel's step
+
+
+@pytest.mark.parametrize("n_blocks, admitted", [(4, True), (3, False)])
+def test_room_to_grow_is_ceil_of_n_plus_3_and_not_capped_by_what_is_left(n_blocks, admitted):
+    """Admission counts ceil((n + 3) / block_size) blocks for n tokens, less those held, 3 tokens of room
+    even when fewer are left to make. At step 1 A ([1, 2, 3, 4], 6 to make) has 5 tokens in block 0; B
+    ([5, 6, 7]) wants 1 token. A lacks ceil(8 / 4) - 1 = 1, B ceil(6 / 4) = 2: 3. In 4 blocks (3 free) B
+    is admitted, where ceil(n / 4) + ceil(3 / 4) would ask 2 + 2; in 3 blocks (2 free) it is refused,
+    where room capped by B's 1 token left would ask 1 + 1."""
+    _, reports, _ = served([Request([1, 2, 3, 4], 6), Request([5, 6, 7], 1, arrival=1)], kv_blocks=n_blocks,
+                           kv_block_size=4)
+    assert (reports[1].admitted == [1]) == admitted
+
+
+# A and B ([1, 2, 3, 4, 5], the same prompt) come together into 8 blocks of 2, A to make 3 tokens, B 1:
+# both admitted at step 0 (A alone lacks 3, then A 4 and B 4 with room: 8), their prompts computed
+# twice, A's into 0 1 2, B's into 3 4 5. Nobody waits, so no admission is tried and nothing is keyed
+# until B leaves at step 0: its full blocks 3 and 4 take the keys of [1, 2] and [3, 4] and join the
+# back, kept; 5 (part-full), wiped, the front (the line: 5 6 7 3 4). A's position 6 takes 5 at step 2,
+# and A leaves: its 0 and 1 stay plain (B's blocks hold their keys), 2 ([5, its first token]) is keyed.
+# Its blocks go one by one in table order: 0 to the front, then 1 before it, 2 to the back, 5 to the
+# front: 5 1 0 6 7 3 4 2. C ([7, 8, 9, 10, 11]) at step 3 finds nothing and takes 5, 1, 0: the plain
+# ones, reversed.
+FREED_TOGETHER = """
+step  belt  events                   block_tables  cached_free
+   0  AB    +A +B -B(length,1)       012/345       -
+   1  A.    -                        012/-         34
+   2  A.    -A(length,3)             0125/-        34
+   3  C.    +C -C(length,1)          510/-         342
+"""
+
+
+def test_plain_blocks_freed_together_go_to_the_front_reversed():
+    """A leaving request's blocks go one by one in table order: its plain ones, each to the front of the
+    line, stand there reversed. And a block is keyed only at an admission tried or as its request
+    leaves: nobody waiting, B's copy of the shared prompt leaves first and keeps the keys, A's stays plain."""
+    requests = [Request([1, 2, 3, 4, 5], 3), Request([1, 2, 3, 4, 5], 1), Request([7, 8, 9, 10, 11], 1, arrival=3)]
+    _, reports, lines = served(requests, kv_blocks=8, kv_block_size=2, prefix_cache=True)
+    check_against(FREED_TOGETHER, reports, lines)
+
+
+def test_a_prompts_last_token_fed_alone_is_a_prompt_token():
+    """Chunks of 4: A's 5-token prompt goes in as 4, then its last token alone, a one-token row that
+    samples, but a prompt token: counted in n_prompt_tokens, and first from the step's budget by arrival,
+    so B (4 tokens, arriving at step 1) gets the other 3, and its own last token comes alone at step 2."""
+    requests = [Request([1, 2, 3, 4, 5], 3), Request([6, 7, 8, 9], 2, arrival=1)]
+    _, reports, _ = served(requests, prefill_chunk=4)
+    steps = [(report.belt, report.n_prompt_tokens, report.packed.n_one_token, report.packed.tokens.numel())
+             for report in reports[:3]]
+    assert steps == [("~.", 4, 0, 4), ("A~", 4, 1, 4), ("AB", 1, 2, 2)], steps
+
+
+def test_max_len_defaults_to_the_models_block_size():
+    """docs/api.md: max_len's default is the model's block_size (the tiny model's 64), not 1024."""
+    assert inspect.signature(generate).parameters["max_len"].default is None
+    with pytest.raises(ValueError, match="max_len=64"):
+        generate(tiny_gpt(), [Request([1] * 64, 1)], eos_id=None)
+    [completion] = generate(tiny_gpt(), [Request([1] * 63, 5)], eos_id=None)  # 63 positions, then its slot is full
+    assert (len(completion.tokens), completion.finish_reason) == (1, "context")
+    assert "`max_len` is the most positions a request may fill, a slot's (`None`, the default: the model's " \
+           "`block_size`" in " ".join((REPO / "docs" / "api.md").read_text().split())
+
+
+def test_a_cancel_that_empties_the_belt_is_a_step_of_its_own():
+    """Live (Part 5): A, alone, is cancelled after step 2. Step 3 lets it go and runs nothing (no forward,
+    an empty belt, A in `finished`, "abort"), yet counts: A's finish_step is 3, and B, submitted once the
+    loop waits, is admitted at step 4."""
+    reports, held, go = [], threading.Event(), threading.Event()
+
+    def on_step(report):
+        reports.append(report)
+        if report.step == 2:
+            held.set()
+            assert go.wait(TIMEOUT_S), "the test never let the engine go on"
+
+    with LiveRequests(tiny_gpt(), n_slots=2, max_len=MAX_LEN, eos_id=None, on_step=on_step) as live:
+        a = live.submit(Request([1, 2, 3], 20))
+        assert held.wait(TIMEOUT_S), "step 2 never came"
+        a.cancel()
+        go.set()
+        assert list(a)[-1] == (None, "abort")
+        b = live.submit(Request([4, 5], 1))
+        assert list(b)[-1][1] == "length"
+    cancel_step = reports[3]
+    assert (cancel_step.step, cancel_step.belt, cancel_step.packed, cancel_step.sampled) == (3, "..", None, [])
+    assert [(i, c.finish_reason) for i, c in cancel_step.finished] == [(0, "abort")]
+    assert (a.completion.finish_step, b.completion.admit_step) == (3, 4)
 
 
 # ---------------------------------------------------------------------------------------------
