@@ -148,20 +148,20 @@ def test_verdict_in_float64(offset, expected):
 
 
 def test_url_own_server_in_float64_changes_no_answer(capsys):
-    """tools/serve.py (--quick, float64, 4 slots so that requests queue and slots are reused), asked 12
+    """tools/serve.py (--quick, float64, 4 slots so that requests queue and slots are reused), asked 8
     greedy prompts alone, all at once and in a shuffled wave: every answer under load is its alone answer."""
     engine = serve.start(serve.parse(["--quick", "--port", "0", "--dtype", "float64", "--slots", "4"]))
     try:
         url = f"http://127.0.0.1:{port(engine)}/"
         with pytest.raises(SystemExit) as exit_status:
-            ends_within(TIMEOUT_S, verify.main, ["--url", url, "--n", "12", "--max-tokens", "8", "--waves", "1",
+            ends_within(TIMEOUT_S, verify.main, ["--url", url, "--n", "8", "--max-tokens", "8", "--waves", "1",
                                                  "--timeout", "30"])
     finally:
         ends_within(TIMEOUT_S, serve.stop, engine)
     out = capsys.readouterr().out
     assert exit_status.value.code == 0, out
-    assert "all at once: 12 answers at once" in out and "wave 1: 12 answers at once" in out, out
-    assert out.rstrip().endswith("12 prompts, 2 runs under load: 0 of 12 answers changed"), out
+    assert "all at once: 8 answers at once" in out and "wave 1: 8 answers at once" in out, out
+    assert out.rstrip().endswith("8 prompts, 2 runs under load: 0 of 8 answers changed"), out
 
 
 PROMPTS = verify.url_prompts("ids", 8, 0)  # what verify --url --n 8 asks, seed 0
@@ -232,7 +232,7 @@ def fake_server(kind):
                 seen.add(key)
             if kind == "text":  # the fake's words for a text prompt; prompt 2's word 3 changes under load
                 words = [f"w{(len(body['prompt']) * 31 + 7 * j) % 1000}" for j in range(n)]
-                if under_load and body["prompt"] == TEXTS[2] and n > 3:
+                if under_load and body["prompt"] in (TEXTS[2], " ".join(f"t{t}" for t in PROMPTS[2])) and n > 3:
                     words[3] = "changed"
                 return self.reply(200, {"choices": [{"index": 0, "text": " ".join(words), "logprobs": None}]})
             tokens, logprobs = fake_answer(body["prompt"], n, under_load)
@@ -283,14 +283,16 @@ def test_url_finds_places_and_judges_planted_changes(capsys):
     assert "8 prompts, 2 runs under load: 3 of 8 answers changed (2 rounding, 4 BUG, 0 unjudged changes)" in out, out
 
 
-def test_url_text_only_server_compared_as_text(capsys):
-    """A server that refuses return_token_ids and gives no logprobs (as transformers serve does): its
-    answers are compared as text, the change placed at its character and word, and unjudged."""
-    status, out, _ = verify_url(capsys, "text", "--prompts", "text")
+@pytest.mark.parametrize("prompts", [["--prompts", "text"], ["--as-text", "t{}"]])
+def test_url_text_only_server_compared_as_text(capsys, prompts):
+    """A server that takes text prompts only, refuses return_token_ids and gives no logprobs (as transformers
+    serve does), asked random words or the random ids written as words: its answers are compared as text, the
+    change placed at its character and word, and unjudged."""
+    status, out, _ = verify_url(capsys, "text", *prompts)
     assert status == 1, out
     assert "note: the server refuses return_token_ids (HTTP 422" in out and "compared: text" in out, out
     assert out.count("  #2   first differs at character 15 (word 3): ") == 2, out
-    assert out.count("'changed w803' under load; unjudged") == 2, out
+    assert out.count(" alone, 'changed w") == 2 and out.count("' under load; unjudged") == 2, out
     assert "8 prompts, 2 runs under load: 1 of 8 answers changed (0 rounding, 0 BUG, 2 unjudged changes)" in out, out
 
 

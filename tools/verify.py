@@ -175,24 +175,17 @@ class ServerError(Exception):
     """What keeps the question from being put: the server unreachable, refusing, or without the API."""
 
 
-def url_prompts(kind, n, seed):
-    """n seeded greedy prompts: random token ids below GPT-2's 50,257 (any GPT-2 server's, and valid for a
-    larger vocabulary), or random English words (for a server that takes text only), 4-48 of them; or the
-    first n of a JSON file's list, each a string or a list of token ids (n None: all)."""
-    if kind not in ("ids", "text"):
-        try:
-            prompts = json.loads(Path(kind).read_text())
-        except (OSError, ValueError) as e:
-            raise ServerError(f"--prompts {kind}: give ids, text, or a JSON file of prompts ({e})") from None
-        if not (isinstance(prompts, list) and prompts and all(isinstance(p, (str, list)) and p for p in prompts)):
-            raise ServerError(f"--prompts {kind}: the file must hold a JSON list of prompts, each a string or a "
-                              f"list of token ids")
-        return prompts[:n]
+def url_prompts(kind, n, seed, as_text=None):
+    """n seeded greedy prompts, 4-48 tokens or words each: random token ids below GPT-2's 50,257 (any GPT-2
+    server's, and valid in a larger vocabulary), or random English words (kind "text": for a server that
+    takes text only). as_text: a format such as "t{}" that writes each id as a word, for a server that takes
+    text only and whose tokenizer reads those words back as the same ids."""
     rng = random.Random(seed)
-    lengths = [rng.randint(*URL_PROMPT_LENS) for _ in range(n or URL_N_PROMPTS)]
-    if kind == "ids":
-        return [[rng.randrange(50257) for _ in range(length)] for length in lengths]
-    return [" ".join(rng.choice(WORDS) for _ in range(length)) for length in lengths]
+    lengths = [rng.randint(*URL_PROMPT_LENS) for _ in range(n)]
+    if kind == "text":
+        return [" ".join(rng.choice(WORDS) for _ in range(length)) for length in lengths]
+    prompts = [[rng.randrange(50257) for _ in range(length)] for length in lengths]
+    return prompts if as_text is None else [" ".join(as_text.format(token) for token in prompt) for prompt in prompts]
 
 
 def send(server, body, method="POST", path="/v1/completions"):
@@ -256,7 +249,7 @@ def served_model(server):
     return names[0], len(names)
 
 
-def fields_taken(server, body, prompts_kind):
+def fields_taken(server, body):
     """Of the fields that make answers comparable (vLLM's return_token_ids, and logprobs), those this server
     takes -> (the fields, a note for each it refused). A server that ignores one says nothing: its answers
     then simply lack it. One request of one token asks, and drops a field its refusal names."""
@@ -269,9 +262,9 @@ def fields_taken(server, body, prompts_kind):
         for name in named:
             notes.append(f"the server refuses {name} (HTTP {status}, {said(reply)})")
             del fields[name]
-    if status in (400, 422) and prompts_kind == "ids" and "prompt" in said(reply):
+    if status in (400, 422) and isinstance(body["prompt"], list) and "prompt" in said(reply):
         raise ServerError(f"the server refuses a prompt of token ids (HTTP {status}, {said(reply)}): ask with "
-                          f"--prompts text, or a file of text prompts")
+                          f"--prompts text, or --as-text FORMAT")
     if status != 200:
         raise refused(status, reply, "POST /v1/completions")
     return fields, notes
@@ -395,12 +388,13 @@ def verify_url(args):
                                 path=parts.path.rstrip("/"), timeout_s=args.timeout,
                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     model, n_models = (args.model, 1) if args.model else served_model(server)
-    prompts = url_prompts(args.prompts, args.n, args.seed)
+    prompts = url_prompts(args.prompts, args.n, args.seed, args.as_text)
     bodies = [{"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
               for prompt in prompts]
-    fields, notes = fields_taken(server, bodies[0], args.prompts)
+    fields, notes = fields_taken(server, bodies[0])
     bodies = [{**body, **fields} for body in bodies]
-    source = {"ids": "random token ids", "text": "random words"}.get(args.prompts, f"from {args.prompts}")
+    source = "random words" if args.prompts == "text" else "random token ids" + (
+        f", sent as text: each written {args.as_text!r}" if args.as_text else "")
     print(f"verify --url {args.url}: {len(prompts)} greedy prompts ({source}, seed {args.seed}), {args.max_tokens} "
           f"tokens each, to `{model}`{f' (the first of {n_models} models)' if n_models > 1 else ''}: each alone, "
           f"then all at once, then in {args.waves} shuffled wave{'s' * (args.waves != 1)} at once", flush=True)
@@ -461,13 +455,15 @@ def url_main(argv):
                                      "a server computes? Greedy prompts alone, then all at once, compared token by "
                                      "token (exit status 1 if any answer changed)")
     parser.add_argument("--url", required=True, help="the server: http://HOST:PORT/ (its /v1/completions is asked)")
-    parser.add_argument("--n", type=nanobatch.positive(int), default=None, metavar="N",
-                        help=f"N prompts ({URL_N_PROMPTS}; with a file, all of it)")
+    parser.add_argument("--n", type=nanobatch.positive(int), default=URL_N_PROMPTS, metavar="N",
+                        help=f"N prompts ({URL_N_PROMPTS})")
     parser.add_argument("--max-tokens", type=nanobatch.positive(int), default=URL_MAX_TOKENS, metavar="K",
                         help=f"tokens asked for each answer ({URL_MAX_TOKENS}; an answer stops early at EOS)")
-    parser.add_argument("--prompts", default="ids", metavar="ids|text|FILE",
-                        help="random token ids (ids, the default), random English words (text), or a JSON file's "
-                             "list of prompts, each a string or a list of token ids")
+    parser.add_argument("--prompts", choices=("ids", "text"), default="ids",
+                        help="random token ids (the default), or random English words")
+    parser.add_argument("--as-text", metavar="FORMAT", default=None,
+                        help="send each token id as text, written with FORMAT (e.g. 't{}'), words joined by spaces: "
+                             "for a server that takes text only, whose tokenizer reads them back as the ids")
     parser.add_argument("--waves", type=int, default=URL_WAVES, metavar="W",
                         help=f"after all at once, W more runs at once in shuffled orders ({URL_WAVES})")
     parser.add_argument("--seed", type=int, default=0, help="the prompts' and the orders' seed (0)")
@@ -481,6 +477,8 @@ def url_main(argv):
     args = parser.parse_args(argv)
     if args.waves < 0 or args.near_tie < 0 or args.timeout <= 0:
         parser.error("--waves and --near-tie must be at least 0, --timeout above 0")
+    if args.as_text is not None and (args.prompts != "ids" or "{}" not in args.as_text):
+        parser.error("--as-text writes token ids: it goes with --prompts ids, and its FORMAT holds {} (e.g. 't{}')")
     try:
         return verify_url(args)
     except ServerError as e:
