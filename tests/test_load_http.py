@@ -7,7 +7,8 @@ every time the tool reports has a floor the arithmetic states, on any machine ho
    step a token, and TTFT + its ITLs is its E2E; the requests went out at the draw's times / rate;
 3) the percentiles are nearest rank: on values whose percentiles are known, and on the run's own values;
 4) a time limit bounds a run: streams still open are cut, the server cancels them, every thread is joined;
-   a request the server refuses is counted failed.
+   a request the server refuses is counted failed;
+5) a server that takes text only (transformers serve) is sent each prompt's ids as words, and its count read.
 The tool runs as a user runs it, through main(), in about a second.
 """
 import contextlib
@@ -16,10 +17,12 @@ import json
 import math
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-import load_http  # tools/, put on the path by tests.common
+import load  # tools/, put on the path by tests.common
+import load_http
 import serve
 from tests.common import TIMEOUT_S, ends_within
 from tests.test_serve import metrics
@@ -179,3 +182,50 @@ def test_a_refused_request_is_counted_failed(server, tmp_path):
                                              "--vocab-size", "1000000")
     assert figures["completed"] == 0 and figures["failed"] == 3 and figures["output tokens"] == 0
     assert all(reply.error.startswith("HTTP 400") and "outside the vocabulary" in reply.error for reply in replies)
+
+
+def test_a_text_only_server_is_sent_words_and_its_usage_read_beside_its_last_choice(tmp_path):
+    """A server as transformers serve is: prompts as text only (400 for token ids), each token a chunk of text,
+    and its count (usage) beside the last choice, an empty one. With --as-text 't{}' each prompt goes as its
+    ids written as words, and each request's output tokens are the server's count, not its chunks (one more)."""
+    got = []
+
+    class TextOnly(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if not isinstance(body["prompt"], str):
+                data = b'{"detail": "prompt must be a string."}'
+                self.send_response(400)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                return self.wfile.write(data)
+            got.append(body["prompt"])
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            n = body["max_tokens"]
+            chunks = [{"choices": [{"index": 0, "text": f" t{j}"}]} for j in range(n)]
+            chunks.append({"choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+                           "usage": {"completion_tokens": n}})
+            self.wfile.write(b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), TextOnly)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True)
+    thread.start()
+    try:
+        base = ["--url", f"http://127.0.0.1:{httpd.server_address[1]}/", "--model", "peer", "--rate", "inf",
+                "--requests", "4", "--warmups", "0", "--time-limit", "30"]
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            [(_, ids, _)] = ends_within(TIMEOUT_S, load_http.main, base)
+            [(_, figures, replies)] = ends_within(TIMEOUT_S, load_http.main, [*base, "--as-text", "t{}"])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(5)
+    workload = load.draw(0, 4, load_http.GPT2_VOCAB)
+    assert ids["failed"] == 4 and figures["completed"] == 4, (ids, figures)
+    assert sorted(got) == sorted(" ".join(f"t{token}" for token in prompt) for prompt, _, _ in workload), got
+    assert [reply.output_tokens for reply in replies] == [n_new for _, n_new, _ in workload], replies

@@ -7,6 +7,7 @@ P90 and P99.
     OMP_NUM_THREADS=1 python tools/serve.py --max-len 128 &            GPT-2 124M (offline: random) on :8000
     python tools/load_http.py --url http://127.0.0.1:8000/ --rate 1 2   200 requests at 1 a second, then at 2
     python tools/load_http.py --url URL --rate inf --requests 8          8 at once (--max-concurrency 1: in turn)
+    python tools/load_http.py --url URL --rate 4 --as-text 't{}'         a server that takes text prompts only
 
 A tool beside tools/load.py, not inside it: load.py runs the engine in its own process on a clock of steps;
 this is a client, on a clock of seconds, of any server that speaks OpenAI's completions API. It sends no field
@@ -127,10 +128,10 @@ def send(target, reply, body, started, deadline):
             if chunk.get("choices"):  # a token (its text may be empty: offline, or half a character)
                 reply.chunk_s.append(time.perf_counter() - sent)
                 reply.finish_reason = chunk["choices"][0].get("finish_reason") or reply.finish_reason
-            elif chunk.get("usage"):  # the last chunk: the server's own count
-                usage = chunk["usage"].get("completion_tokens")
             elif "error" in chunk:
                 reply.error = f"in the stream: {chunk['error']}"
+            if chunk.get("usage"):  # the server's own count: in a chunk of its own (vLLM), or beside the last
+                usage = chunk["usage"].get("completion_tokens")  # choice (transformers serve)
         reply.output_tokens = len(reply.chunk_s) if usage is None else usage
         if not reply.chunk_s and reply.error is None:
             reply.error = "the stream held no token"
@@ -148,10 +149,11 @@ def send(target, reply, body, started, deadline):
 # A run: the requests sent at their arrival times, a thread each, every thread joined
 
 
-def run(target, workload, rate, max_concurrency=None, time_limit_s=600, tell=None):
+def run(target, workload, rate, max_concurrency=None, time_limit_s=600, tell=None, as_text=None):
     """workload (load.draw's (prompt, answer length, arrival at one a second)) sent at `rate` requests a second
     (math.inf: all at once), at most max_concurrency in flight -> (its Replies, the run's seconds). Nothing is
-    sent past time_limit_s, and a reply still streaming then is cut."""
+    sent past time_limit_s, and a reply still streaming then is cut. as_text: a format ("t{}") that writes each
+    prompt's token ids as words, for a server that takes text only."""
     replies = [Reply(i, len(prompt), n_new) for i, (prompt, n_new, _) in enumerate(workload)]
     permits = threading.Semaphore(max_concurrency or len(workload))  # vLLM's --max-concurrency
     started = time.perf_counter()
@@ -178,7 +180,8 @@ def run(target, workload, rate, max_concurrency=None, time_limit_s=600, tell=Non
                 last_told = now
         if due >= deadline:
             break  # it and those after it are never sent
-        body = {"model": target["model"], "prompt": prompt, "max_tokens": n_new, "temperature": 0,
+        body = {"model": target["model"], "max_tokens": n_new, "temperature": 0,
+                "prompt": prompt if as_text is None else " ".join(as_text.format(token) for token in prompt),
                 "stream": True, "stream_options": {"include_usage": True}}
         threads.append(threading.Thread(target=client, args=(reply, body), name=f"load_http {reply.index}",
                                         daemon=True))
@@ -276,13 +279,13 @@ def load_http(args):
               f"({sum(r.error is not None for r in ended)} failed)", file=sys.stderr, flush=True)
 
     for _ in range(args.warmups):  # as vLLM's initial test run: the URL checked, and the server warmed
-        warmup, _ = run(target, workload[:1], math.inf, time_limit_s=args.time_limit)
+        warmup, _ = run(target, workload[:1], math.inf, time_limit_s=args.time_limit, as_text=args.as_text)
         if not warmup[0].is_ok:
             raise SystemExit(f"load_http: the first request failed: {warmup[0].error}")
     results = []
     for rate in args.rate:
         print(f"load_http: {rate:g} requests a second", file=sys.stderr, flush=True)
-        replies, seconds = run(target, workload, rate, args.max_concurrency, args.time_limit, tell)
+        replies, seconds = run(target, workload, rate, args.max_concurrency, args.time_limit, tell, args.as_text)
         results.append((rate, summarize(replies, seconds), replies))
         tell(replies, seconds)
     print_table([(rate, figures) for rate, figures, _ in results])
@@ -311,11 +314,16 @@ def main(argv=None):
                         help=f"prompts' token ids are below V (GPT-2's, {GPT2_VOCAB})")
     parser.add_argument("--model", default=None, help="the model's name in the API (the first of /v1/models)")
     parser.add_argument("--endpoint", default="/v1/completions", help="the completions path (/v1/completions)")
+    parser.add_argument("--as-text", metavar="FORMAT", default=None,
+                        help="send each prompt as text, its token ids written with FORMAT (e.g. 't{}') and joined by "
+                             "spaces: for a server that takes text only, whose tokenizer reads them back as the ids")
     parser.add_argument("--json", metavar="FILE", type=checked_path, help="every figure and reply, written to FILE")
     args = parser.parse_args(argv)
     if any(rate <= 0 for rate in args.rate) or args.requests < 1 or (args.max_concurrency or 1) < 1 \
             or args.time_limit <= 0 or args.warmups < 0:
         parser.error("rates, --requests, --max-concurrency and --time-limit must be positive; --warmups at least 0")
+    if args.as_text is not None and "{}" not in args.as_text:
+        parser.error("--as-text FORMAT writes a token id where its {} is: 't{}', say")
     try:
         return load_http(args)
     except (ValueError, OSError, http.client.HTTPException) as error:

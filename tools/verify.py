@@ -3,17 +3,24 @@ verify: the engine's greedy answers against the reference's, each judged identic
 
     python tools/verify.py --dtype bfloat16      GPT-2 124M (random weights unless --weights)
     python tools/verify.py --quick               a tiny model, in seconds
+    python tools/verify.py --url http://127.0.0.1:8000/      any OpenAI-compatible server: alone against under load
 
-Exit status 0: every answer identical or apart by rounding; 1: a BUG; 2: bad input.
+Exit status 0: every answer identical or apart by rounding; 1: a BUG; 2: bad input. With --url (below its
+banner): 0 if no answer changed under load, 1 if any did, 2 on bad input or a server that cannot be asked.
 """
 import argparse
 import copy
+import http.client
+import json
 import math
+import os
 import random
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 import torch.nn.functional as F
@@ -260,11 +267,351 @@ def check_bits(model, requests, batched, rows_kept):
     return len(unequal)
 
 
+# ---------------------------------------------------------------------------------------------
+# --url: the same question put to any OpenAI-compatible server, as its client (standard library only)
+#
+# A server's answers have no reference beside them, but they have each other: a greedy prompt asked alone
+# and asked among many must come back the same. Each prompt goes alone (one at a time), then all at once,
+# then --waves more times all at once in a shuffled order (so that each meets other neighbours, slots and
+# batch sizes), and every answer under load is compared with its alone answer, token by token.
+
+URL_N_PROMPTS, URL_PROMPT_LENS, URL_MAX_TOKENS, URL_WAVES = 64, (4, 48), 64, 2  # enough tokens to meet near-ties
+TOP_LOGPROBS = 5  # logprobs asked for: the chosen token's and the top 5 at each token, as vLLM's completions give
+NEAR_TIE_NATS = 1e-3  # how far a run under load may move the listed tokens against one another and still be
+#                       rounding. Measured in process (docs/verify.md, "Asking a server"): float32 moved them by
+#                       3.1e-6 at most (GPT-2 124M), a broken mask by 0.024 or more at its first flips;
+#                       bfloat16's rounding moves them up to 0.047, so a bfloat16 server needs --near-tie 0.1
+WORDS = ("the of and to in is was for on that with as by at from his her they this have which one you had not "
+         "but all were when we there can an your their said each she time will about many then them these so "
+         "some would make like him into has look two more write go see number no way could people my than "
+         "first water been call who oil its now find long down day did get come made may part").split()
+
+
+class ServerError(Exception):
+    """What keeps the question from being put: the server unreachable, refusing, or without the API."""
+
+
+def url_prompts(kind, n, seed, as_text=None):
+    """n seeded greedy prompts, 4-48 tokens or words each: random token ids below GPT-2's 50,257 (any GPT-2
+    server's, and valid in a larger vocabulary), or random English words (kind "text": for a server that
+    takes text only). as_text: a format such as "t{}" that writes each id as a word, for a server that takes
+    text only and whose tokenizer reads those words back as the same ids."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(*URL_PROMPT_LENS) for _ in range(n)]
+    if kind == "text":
+        return [" ".join(rng.choice(WORDS) for _ in range(length)) for length in lengths]
+    prompts = [[rng.randrange(50257) for _ in range(length)] for length in lengths]
+    return prompts if as_text is None else [" ".join(as_text.format(token) for token in prompt) for prompt in prompts]
+
+
+def send(server, body, method="POST", path="/v1/completions"):
+    """A request sent, its answer not yet read -> the open connection."""
+    connection = http.client.HTTPConnection(server.host, server.port, timeout=server.timeout_s)
+    try:
+        connection.request(method, server.path + path, None if body is None else json.dumps(body),
+                           {"Content-Type": "application/json", **server.headers})
+    except OSError as e:
+        connection.close()
+        raise ServerError(f"cannot reach {server.url}: {e.strerror or e}") from None
+    return connection
+
+
+def receive(connection):
+    """The answer on a connection -> (HTTP status, its JSON, or its text if it is not JSON); the connection
+    closed. A socket wait longer than the server's timeout raises ServerError."""
+    try:
+        response = connection.getresponse()
+        data = response.read()
+    except TimeoutError:
+        raise ServerError(f"no answer within {connection.timeout:g} s (--timeout)") from None
+    except (OSError, http.client.HTTPException) as e:
+        raise ServerError(f"the connection failed: {e!r}") from None
+    finally:
+        connection.close()
+    try:
+        return response.status, json.loads(data)
+    except ValueError:
+        return response.status, data.decode(errors="replace")
+
+
+def said(reply):
+    """An error reply's words: OpenAI's error.message, FastAPI's detail, or the text itself."""
+    if isinstance(reply, dict):
+        error = reply.get("error")
+        return str(error.get("message", error) if isinstance(error, dict) else error or reply.get("detail") or reply)
+    return reply.strip()[:300]
+
+
+def refused(status, reply, what):
+    """A clear ServerError for a reply that is not 200, saying which API or input the server lacks."""
+    if status in (401, 403):
+        return ServerError(f"{what}: HTTP {status}, {said(reply)}: give the server's key with --api-key KEY "
+                           f"(or OPENAI_API_KEY)")
+    if status in (404, 405):
+        return ServerError(f"{what}: HTTP {status}, {said(reply)}: the server has no such route; it does not "
+                           f"speak that part of OpenAI's API")
+    return ServerError(f"{what}: HTTP {status}, {said(reply)}")
+
+
+def served_model(server):
+    """The model's name: the first that GET /v1/models lists (as vLLM's clients take it) -> (name, how many)."""
+    status, reply = receive(send(server, None, "GET", "/v1/models"))
+    if status != 200:
+        raise refused(status, reply, "GET /v1/models (to learn the model's name; or give --model)")
+    cards = reply.get("data") if isinstance(reply, dict) else None
+    names = [card.get("id") for card in cards or [] if isinstance(card, dict) and card.get("id")]
+    if not names:
+        raise ServerError("GET /v1/models lists no model: give its name with --model")
+    return names[0], len(names)
+
+
+def fields_taken(server, body):
+    """Of the fields that make answers comparable (vLLM's return_token_ids, and logprobs), those this server
+    takes -> (the fields, a note for each it refused). A server that ignores one says nothing: its answers
+    then simply lack it. One request of one token asks, and drops a field its refusal names."""
+    fields, notes = {"return_token_ids": True, "logprobs": TOP_LOGPROBS}, []
+    while True:
+        status, reply = receive(send(server, {**body, "max_tokens": 1, **fields}))
+        named = [name for name in fields if status in (400, 422) and name in said(reply)]
+        if not named:
+            break
+        for name in named:
+            notes.append(f"the server refuses {name} (HTTP {status}, {said(reply)})")
+            del fields[name]
+    if status in (400, 422) and isinstance(body["prompt"], list) and "prompt" in said(reply):
+        raise ServerError(f"the server refuses a prompt of token ids (HTTP {status}, {said(reply)}): ask with "
+                          f"--prompts text, or --as-text FORMAT")
+    if status != 200:
+        raise refused(status, reply, "POST /v1/completions")
+    return fields, notes
+
+
+class Answer:
+    """One completion as the server gave it: its tokens (the ids of return_token_ids, else the names in its
+    logprobs, else None: text only), its text, and its logprobs (vLLM's completions shape: tokens,
+    token_logprobs, top_logprobs, text_offset; None if not given)."""
+
+    def __init__(self, status, reply):
+        if status != 200:
+            raise refused(status, reply, "POST /v1/completions")
+        try:
+            choice = reply["choices"][0]
+            self.text, self.logprobs = choice.get("text") or "", choice.get("logprobs")
+            self.tokens = choice.get("token_ids")
+            if self.tokens is None and self.logprobs:
+                self.tokens = self.logprobs["tokens"]
+        except (KeyError, IndexError, TypeError) as e:
+            raise ServerError(f"an answer not in the completions API's shape ({e!r}): {str(reply)[:300]}") from None
+
+
+def ask_alone(server, bodies):
+    """Each request sent once the answer before it is in -> their Answers, in order."""
+    return [Answer(*receive(send(server, body))) for body in bodies]
+
+
+def ask_at_once(server, bodies, order):
+    """Every request sent, in `order`, before any answer is read (so they arrive in that order and are all
+    in flight together), each answer read by a thread of its own -> their Answers, in the bodies' order."""
+    connections = {}
+    try:
+        for i in order:
+            connections[i] = send(server, bodies[i])
+    except ServerError:
+        for connection in connections.values():
+            connection.close()
+        raise
+    replies = {}
+
+    def read(i):  # a thread's whole story: the reply, or the error that stopped it, kept for the caller
+        try:
+            replies[i] = receive(connections[i])
+        except ServerError as e:
+            replies[i] = e
+
+    threads = [threading.Thread(target=read, args=(i,), name=f"verify {i}", daemon=True) for i in order]
+    for thread in threads:
+        thread.start()
+    for thread in threads:  # each socket wait ends within the timeout, so each thread does too
+        thread.join(server.timeout_s + 5)
+    missing = [i for i in order if i not in replies]
+    if missing:
+        raise ServerError(f"{len(missing)} answers never came (--timeout {server.timeout_s:g} s)")
+    failed = [reply for reply in replies.values() if isinstance(reply, ServerError)]
+    if failed:
+        raise failed[0]
+    return [Answer(*replies[i]) for i in range(len(bodies))]
+
+
+def first_difference(alone, loaded):
+    """Where two answers first differ -> None if they do not: a token index, or a character index where the
+    server gave text only. An answer that ends where the other goes on differs at its end."""
+    a, b = (alone.tokens, loaded.tokens) if alone.tokens is not None and loaded.tokens is not None else \
+        (alone.text, loaded.text)
+    if a == b:
+        return None
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def judge(alone, loaded, k, near_tie_nats):
+    """An answer that changed at token k, judged from the two runs' logprobs -> ('rounding', 'BUG' or
+    'unjudged', the figures behind it).
+
+    Both runs computed token k from the same prefix (the prompt and the k tokens before it), so the two
+    distributions differ only by the server's arithmetic. For each token both runs list, its logprob under
+    load minus alone is the same shift for all (the normaliser, logsumexp, moved) plus how far that token's
+    logit moved; the spread of those differences (largest minus smallest) is how far the run under load
+    moved the listed tokens against one another. 'rounding' if at most near_tie_nats: the two tokens were then
+    a near-tie on both runs (the alone run put its token ahead by at most that, the loaded run its own), and
+    the rest of the list barely moved. 'BUG' if further: the logits changed, not their last bits. The
+    alone margin by itself is not enough: a broken mask flipped a token of the tiny random model that the
+    alone run had put only 0.0008 ahead, while it moved the listed tokens 0.026 against one another. Lists
+    that share fewer than two tokens moved further than any list shows: 'BUG'."""
+    if alone.logprobs is None or loaded.logprobs is None:
+        return "unjudged", "no logprobs"
+    if k >= min(len(alone.logprobs["tokens"]), len(loaded.logprobs["tokens"])):
+        return "unjudged", "one answer ended there without a token"
+
+    def listed(logprobs):  # {token: logprob}: the top ones and the chosen one, at token k
+        return {**(logprobs["top_logprobs"][k] or {}), logprobs["tokens"][k]: logprobs["token_logprobs"][k]}
+
+    top_alone, top_loaded = listed(alone.logprobs), listed(loaded.logprobs)
+    mine, theirs = alone.logprobs["tokens"][k], loaded.logprobs["tokens"][k]
+    if mine == theirs:
+        return "unjudged", f"the two tokens have one name in the logprobs, {mine!r}"
+    moved = [top_loaded[token] - top_alone[token] for token in top_alone.keys() & top_loaded.keys()]
+    spread = max(moved) - min(moved) if len(moved) > 1 else math.inf
+    # each margin: a lower bound where the other run's token is not in the list (it lies below the list's last)
+    margin_alone = top_alone[mine] - top_alone.get(theirs, min(top_alone.values()))
+    margin_loaded = top_loaded[theirs] - top_loaded.get(mine, min(top_loaded.values()))
+    both_listed = theirs in top_alone and mine in top_loaded
+    figures = (f"margin alone {'' if theirs in top_alone else '>= '}{margin_alone:.2g}, under load "
+               f"{'' if mine in top_loaded else '>= '}{margin_loaded:.2g}; " +
+               (f"the {len(moved)} tokens both list moved {spread:.2g} against one another" if len(moved) > 1 else
+                f"the two lists share {len(moved)} tokens"))
+    if max(spread, margin_alone + margin_loaded) > near_tie_nats:
+        return "BUG", figures
+    return ("rounding" if both_listed else "unjudged"), figures
+
+
+def verify_url(args):
+    """Every prompt alone, then under load; each answer under load compared with its alone answer -> the exit
+    status: 0 if none changed, 1 if any did."""
+    parts = urlsplit(args.url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ServerError(f"{args.url}: give the server's address as http://HOST:PORT/ (http only)")
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    server = argparse.Namespace(url=args.url, host=parts.hostname, port=parts.port or 80,
+                                path=parts.path.rstrip("/"), timeout_s=args.timeout,
+                                headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    model, n_models = (args.model, 1) if args.model else served_model(server)
+    prompts = url_prompts(args.prompts, args.n, args.seed, args.as_text)
+    bodies = [{"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
+              for prompt in prompts]
+    fields, notes = fields_taken(server, bodies[0])
+    bodies = [{**body, **fields} for body in bodies]
+    source = "random words" if args.prompts == "text" else "random token ids" + (
+        f", sent as text: each written {args.as_text!r}" if args.as_text else "")
+    print(f"verify --url {args.url}: {len(prompts)} greedy prompts ({source}, seed {args.seed}), {args.max_tokens} "
+          f"tokens each, to `{model}`{f' (the first of {n_models} models)' if n_models > 1 else ''}: each alone, "
+          f"then all at once, then in {args.waves} shuffled wave{'s' * (args.waves != 1)} at once", flush=True)
+    for note in notes:
+        print(f"note: {note}")
+    # 1) Alone: the answers every other is compared with (fields_taken's one-token request warmed the server).
+    print(f"verify: asking each of {len(prompts)} prompts alone", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    alone = ask_alone(server, bodies)
+    print(f"alone: {len(alone)} answers, one at a time: {time.perf_counter() - start:.1f} s", flush=True)
+    if alone[0].tokens is None:
+        print("compared: text (the server gives no token ids): a change is placed at a character and a word, "
+              "and one that prints the same text goes unseen")
+    has_logprobs = alone[0].logprobs is not None
+    print(f"rule: where an answer changed, its first differing token came from the same prefix on both runs: "
+          f"'rounding' if the tokens both runs list among the top {TOP_LOGPROBS} moved at most {args.near_tie:g} "
+          f"nats against one another (a near-tie on both), 'BUG' if further" if has_logprobs else
+          "rule: none: the server gives no logprobs, so each change is 'unjudged'", flush=True)
+    # 2) Under load: all at once in the prompts' order, then in shuffled orders.
+    rng = random.Random(args.seed)
+    runs = [("all at once", list(range(len(prompts))))]
+    runs += [(f"wave {w + 1}", rng.sample(range(len(prompts)), len(prompts))) for w in range(args.waves)]
+    changed, verdicts = set(), {"rounding": 0, "BUG": 0, "unjudged": 0}
+    for name, order in runs:
+        print(f"verify: {name}", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        loaded = ask_at_once(server, bodies, order)
+        differences = [(i, first_difference(alone[i], loaded[i])) for i in range(len(prompts))]
+        differences = [(i, k) for i, k in differences if k is not None]
+        print(f"{name}: {len(loaded)} answers at once: {time.perf_counter() - start:.1f} s, "
+              f"{len(differences)} changed", flush=True)
+        for i, k in differences:
+            changed.add(i)
+            print(f"  #{i:<3} {describe(alone[i], loaded[i], k, has_logprobs, args.near_tie, verdicts)}")
+    print(f"{len(prompts)} prompts, {len(runs)} runs under load: {len(changed)} of {len(prompts)} answers changed"
+          + (f" ({', '.join(f'{n} {verdict}' for verdict, n in verdicts.items())} changes)" if changed else ""))
+    return 1 if changed else 0
+
+
+def describe(alone, loaded, k, has_logprobs, near_tie_nats, verdicts):
+    """A changed answer's line: where it first differs, the two tokens (or texts), and its verdict, counted."""
+    if alone.tokens is not None and loaded.tokens is not None:
+        where = f"first differs at token {k}: {shown(alone.tokens, k)} alone, {shown(loaded.tokens, k)} under load"
+    else:
+        where = (f"first differs at character {k} (word {len(alone.text[:k].split())}): "
+                 f"{alone.text[k:k + 12]!r} alone, {loaded.text[k:k + 12]!r} under load")
+    verdict, figures = judge(alone, loaded, k, near_tie_nats) if has_logprobs else ("unjudged", "")
+    verdicts[verdict] += 1
+    return f"{where}; {verdict}" + (f": {figures}" if figures else "")
+
+
+def shown(tokens, k):
+    return "the end" if k >= len(tokens) else str(tokens[k]) if isinstance(tokens[k], int) else repr(tokens[k])
+
+
+def url_main(argv):
+    parser = argparse.ArgumentParser(prog="tools/verify.py --url", description="does batching change which tokens "
+                                     "a server computes? Greedy prompts alone, then all at once, compared token by "
+                                     "token (exit status 1 if any answer changed)")
+    parser.add_argument("--url", required=True, help="the server: http://HOST:PORT/ (its /v1/completions is asked)")
+    parser.add_argument("--n", type=nanobatch.positive(int), default=URL_N_PROMPTS, metavar="N",
+                        help=f"N prompts ({URL_N_PROMPTS})")
+    parser.add_argument("--max-tokens", type=nanobatch.positive(int), default=URL_MAX_TOKENS, metavar="K",
+                        help=f"tokens asked for each answer ({URL_MAX_TOKENS}; an answer stops early at EOS)")
+    parser.add_argument("--prompts", choices=("ids", "text"), default="ids",
+                        help="random token ids (the default), or random English words")
+    parser.add_argument("--as-text", metavar="FORMAT", default=None,
+                        help="send each token id as text, written with FORMAT (e.g. 't{}'), words joined by spaces: "
+                             "for a server that takes text only, whose tokenizer reads them back as the ids")
+    parser.add_argument("--waves", type=int, default=URL_WAVES, metavar="W",
+                        help=f"after all at once, W more runs at once in shuffled orders ({URL_WAVES})")
+    parser.add_argument("--seed", type=int, default=0, help="the prompts' and the orders' seed (0)")
+    parser.add_argument("--model", default=None, help="the model's name in the API (the first of GET /v1/models)")
+    parser.add_argument("--api-key", metavar="KEY", default=None, help="sent as Authorization: Bearer KEY "
+                        "(OPENAI_API_KEY)")
+    parser.add_argument("--near-tie", type=float, default=NEAR_TIE_NATS, metavar="NATS",
+                        help=f"the most a rounding may move the listed logprobs against one another "
+                             f"({NEAR_TIE_NATS:g}: float32 and float64; bfloat16: 0.1)")
+    parser.add_argument("--timeout", type=float, default=600, metavar="S", help="the longest wait for one answer (600)")
+    args = parser.parse_args(argv)
+    if args.waves < 0 or args.near_tie < 0 or args.timeout <= 0:
+        parser.error("--waves and --near-tie must be at least 0, --timeout above 0")
+    if args.as_text is not None and (args.prompts != "ids" or "{}" not in args.as_text):
+        parser.error("--as-text writes token ids: it goes with --prompts ids, and its FORMAT holds {} (e.g. 't{}')")
+    try:
+        return verify_url(args)
+    except ServerError as e:
+        print(f"tools/verify.py: error: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if any(arg == "--url" or arg.startswith("--url=") for arg in argv):  # a server's answers: the section above
+        sys.exit(url_main(argv))
     parser = argparse.ArgumentParser(prog="tools/verify.py", description="batched against sequential answers, each "
                                      "judged: identical, rounding or BUG (exit status 1)")
     parser.add_argument("--ops", action="store_true", help="only each op of a step, measured on this machine: "
                         "where a row's bits depend on its batch, on the default path and the batch-invariant one")
+                                     "judged: identical, rounding or BUG (exit status 1). A server's answers, alone "
+                                     "against under load: --url URL (--url URL --help)")
     _, args = nanobatch.parse_args(parser, argv, nanobatch.SERVING | {"quick", "weights", "policy"})
     nanobatch.run_cli(verify, args)
 
