@@ -425,7 +425,7 @@ def attention_cut(lengths, n_slots, device):
     call_cost = CALL_COST_IN_KEYS["cpu" if device.type == "cpu" else "gpu"]
     lengths, best = sorted(lengths), (math.inf, 1)  # (cost, cut); no row at all: a cut of 1
     keys_above = sum(lengths)  # of the rows after i, taken as longer than the cut
-    every_row_alone = keys_above + (len(lengths) - 1) * call_cost  # a cut of 0: no call together
+    every_row_alone = keys_above + len(lengths) * call_cost  # a cut of 0, no call together (its scatter costs a call)
     for i, cut in enumerate(lengths):  # of equal lengths, only the last is costed right; it is the cheaper
         keys_above -= cut
         best = min(best, (n_slots * cut + keys_above + (len(lengths) - 1 - i) * call_cost, cut))

@@ -538,20 +538,19 @@ def test_attention_cut_by_hand():
     one_long = [48] * 7 + [940]  # cut 48: 8 x 48 + 940 + 150 = 1474 keys; cut 940: 8 x 940 = 7520
     assert model_py.attention_cut(one_long, 8, cpu) == 48
     assert model_py.attention_cut([48] * 63 + [940], 64, gpu) == 48  # 3072 + 940 + 20000 < 64 x 940
-    spread = [50, 186, 321, 457, 593, 729, 864, 1000]  # cut 0, each alone: 4200 + 7 x 150 = 5250, the least
+    spread = [50, 186, 321, 457, 593, 729, 864, 1000]  # cut 0, each alone: 4200 + 8 x 150 = 5400, the least
     assert model_py.attention_cut(spread, 8, cpu) == 0  # (cut 50: 8 x 50 + 4150 + 7 x 150 = 5600)
-    assert model_py.attention_cut(spread, 64, cpu) == 0 and model_py.attention_cut(spread[:1] * 8, 8, cpu) == 50
+    assert model_py.attention_cut(spread[:1] * 8, 8, cpu) == 50 and model_py.attention_cut([24], 2, cpu) == 24
     assert model_py.attention_cut(spread, 8, gpu) == 1000  # on a GPU, a call is worth more than them all
     assert model_py.attention_cut([5, 5, 5], 4, cpu) == 5 and model_py.attention_cut([], 4, cpu) == 1
-    two_long = [500, 500]  # on 16 slots, cut 0 (each alone): 1000 + 150 = 1150 keys; cut 500: 16 x 500 = 8000
+    two_long = [500, 500]  # on 16 slots, cut 0 (each alone): 1000 + 2 x 150 = 1300 keys; cut 500: 16 x 500 = 8000
     assert model_py.attention_cut(two_long, 16, cpu) == 0 and model_py.attention_cut(two_long, 2, cpu) == 500
     rng = random.Random(13)
     for _ in range(200):
         lengths = [rng.randint(1, 1000) for _ in range(rng.randint(1, 16))]
         n_slots = rng.randint(len(lengths), 64)
-        def keys(cut):  # the keys read, and 150 for each call past the first (cut 0: no call together)
-            alone = [length for length in lengths if length > cut]
-            return n_slots * cut + sum(alone) + 150 * (len(alone) - (cut == 0))
+        def keys(cut):  # the keys read, and 150 for each row alone (cut 0: every row)
+            return n_slots * cut + sum(length + 150 for length in lengths if length > cut)
         best = min(keys(cut) for cut in [0] + lengths)
         assert keys(model_py.attention_cut(lengths, n_slots, cpu)) == best, lengths
 

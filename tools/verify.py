@@ -607,11 +607,10 @@ def main(argv=None):
     if any(arg == "--url" or arg.startswith("--url=") for arg in argv):  # a server's answers: the section above
         sys.exit(url_main(argv))
     parser = argparse.ArgumentParser(prog="tools/verify.py", description="batched against sequential answers, each "
-                                     "judged: identical, rounding or BUG (exit status 1)")
-    parser.add_argument("--ops", action="store_true", help="only each op of a step, measured on this machine: "
-                        "where a row's bits depend on its batch, on the default path and the batch-invariant one")
                                      "judged: identical, rounding or BUG (exit status 1). A server's answers, alone "
                                      "against under load: --url URL (--url URL --help)")
+    parser.add_argument("--ops", action="store_true", help="only each op of a step, measured on this machine: "
+                        "where a row's bits depend on its batch, on the default path and the batch-invariant one")
     _, args = nanobatch.parse_args(parser, argv, nanobatch.SERVING | {"quick", "weights", "policy"})
     nanobatch.run_cli(verify, args)
 
