@@ -5,10 +5,8 @@ a pool of small blocks.
 Shape legend, used in every comment below and in nanobatch.py:
     B  sequences in a batch             T  tokens per sequence (or in one prompt chunk)
     M  tokens packed into one step: its rows, one token each
-    D  of them one-token rows: a request that feeds one token (a decode, or a one-token prompt),
-       at most one a slot
-    S  slots: the requests a step holds
-    L  cache positions attended over
+    D  of them one-token rows: a request that feeds one token (a decode, or a one-token prompt), one a slot
+    S  slots: requests a step holds     L  cache positions attended over
     C  embedding size (n_embd)          nh heads, hs head size (C = nh * hs)
     V  vocabulary size                  R  rows whose logits are wanted
 
@@ -16,7 +14,8 @@ Shape legend, used in every comment below and in nanobatch.py:
 `GPT.forward_packed(step, cache)` runs one step of the engine: M new tokens from any mix of slots, packed side
 by side, no padding between them. It writes their keys and values into the cache at (slot, position), through
 a block table when the cache is paged, and attends under masks that nanobatch.py builds: the caller owns the
-slots. Below the transformer: the attention cut (an optimisation pack_step applies), then checkpoint loading.
+slots. Below the transformer: batch invariance (GPTConfig.batch_invariant), the attention cut (an optimisation
+pack_step applies), then checkpoint loading.
 """
 import json
 import math
@@ -67,23 +66,25 @@ class Linear(nn.Module):
     """y = x W + b, W stored (in, out) as GPT-2's checkpoints store it (its Conv1D; nn.Linear keeps W^T). For the few
     rows of a decode step MKL computes x W 5-40% faster than x W^T, the LM head the most (docs/benchmarks.md)."""
 
-    def __init__(self, n_in, n_out, bias=True):
+    def __init__(self, n_in, n_out, bias=True, batch_invariant=False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_in, n_out))
         self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
+        self.batch_invariant = batch_invariant  # its rows padded to a multiple of ROW_MULTIPLE (below)
 
     def forward(self, x):
         rows = x.reshape(-1, x.size(-1))  # (N, in): every row, whatever the batch's shape
-        y = rows @ self.weight if self.bias is None else torch.addmm(self.bias, rows, self.weight)  # (N, out)
-        return y.view(*x.shape[:-1], y.size(-1))
+        padded = pad_rows(rows) if self.batch_invariant else rows  # (N', in)
+        y = padded @ self.weight if self.bias is None else torch.addmm(self.bias, padded, self.weight)  # (N', out)
+        return y[:len(rows)].view(*x.shape[:-1], y.size(-1))
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.n_head = config.n_head
-        self.c_attn = Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
-        self.c_proj = Linear(config.n_embd, config.n_embd)
+        self.c_attn = Linear(config.n_embd, 3 * config.n_embd, batch_invariant=config.batch_invariant)  # q, k, v
+        self.c_proj = Linear(config.n_embd, config.n_embd, batch_invariant=config.batch_invariant)
         # torch's fused kernel, or, batch-invariant, the same sums in blocks of keys of a fixed size (below)
         self.attention = attention_in_key_blocks if config.batch_invariant else F.scaled_dot_product_attention
 
@@ -104,26 +105,22 @@ class CausalSelfAttention(nn.Module):
         """x (M, C): one step's packed tokens. Each token attends over its own slot in the cache."""
         M, C = x.size()
         q, k, v = (t.view(M, self.n_head, C // self.n_head) for t in self.c_attn(x).split(C, dim=1))
-        # q, k, v: each (M, nh, hs). Batch-invariant, M may end in rows of no one's (pad_rows): past n.
-        n = step.tokens.size(0)
-        # Each cache (n_blocks, nh, block_size, hs), per slot (S, nh, max_len, hs), with the buffer that
-        # a paged read gathers it into (slot_positions).
+        # q, k, v: each (M, nh, hs). Each cache (n_blocks, nh, block_size, hs), per slot (S, nh, max_len, hs),
+        # with a buffer that a paged read gathers it into (slot_positions).
         (k_cache, k_gathered), (v_cache, v_gathered) = kv_cache
-      # Store the new keys and values first, so that a token can attend to itself: one write of n cells, each at its
+      # Store the new keys and values first, so that a token can attend to itself: one write of M cells, each at its
       # own (slot, position), or, paged, at the block and offset that its slot's block table gives the position.
         if step.block_tables is None:
             blocks, offsets = step.slots, step.positions
         else:
             block_size = k_cache.size(2)
             blocks, offsets = step.block_tables[step.slots, step.positions // block_size], step.positions % block_size
-        k_cache[blocks, :, offsets] = k[:n]
-        v_cache[blocks, :, offsets] = v[:n]
-        y = torch.zeros_like(q)  # (M, nh, hs): a row of no one's stays 0
-        # One-token rows, in one call (paged, in groups), each query over its slot's first L positions, L the
-        # step's cut. Per slot the call reads the whole belt, a view of the cache (a copy of just the D slots
-        # measured slower): query s is slot s's, and a slot with no row gets a dummy query, its output dropped.
-        # Paged, every slot read is a copy, so the call reads only the D slots with a row, in row order: D in
-        # place of S below (docs/benchmarks.md).
+        k_cache[blocks, :, offsets] = k
+        v_cache[blocks, :, offsets] = v
+        y = torch.empty_like(q)  # (M, nh, hs)
+        # One-token rows, in one call (paged, in groups), each query over its slot's first L positions, L the step's
+        # cut. Per slot the call reads the whole belt, a view (a copy of just the D slots measured slower): query s is
+        # slot s's, a slot with no row a dummy's. Paged, every read is a copy: only the D slots, in row order.
         D = step.n_one_token
         if D:
             L = self.n_keys(step.one_token_mask.size(-1), k_cache, step.block_tables)
@@ -161,10 +158,8 @@ class CausalSelfAttention(nn.Module):
             y[rows] = out[0].transpose(0, 1)
         return y.view(M, C)
 
-    def n_keys(self, L, cache, block_tables):
-        """Positions a call reads for a mask over L: L, or, batch-invariant, L rounded up to whole key blocks
-        while the cache (per slot) or the block tables (paged) have them, so that their keys need no copy."""
-        if self.attention is not attention_in_key_blocks:
+    def n_keys(self, L, cache, block_tables):  # positions read for a mask over L: batch-invariant, whole key blocks
+        if self.attention is not attention_in_key_blocks:  # (as far as the cache or the tables hold, so no copy)
             return L
         held = cache.size(2) * (1 if block_tables is None else block_tables.size(1))
         return min(-(-L // KEY_BLOCK) * KEY_BLOCK, max(L, held))
@@ -188,10 +183,8 @@ def slot_positions(cache, gathered, block_tables, slots, L):
     return gathered.view(table.size(0), nh, -1, hs)[:, :, :L]  # (n, nh, L, hs)
 
 
-# A paged one-token call reads its slots in groups of about this many bytes of copied keys and values, read
-# back from the CPU's caches, not from memory: on a 2-core EPYC with AVX-512, 64 rows of 49 keys (4 groups of
-# 16), a paged step 0.97-1.02x a per-slot one, against 1.06-1.10x in one call (docs/benchmarks.md). On a GPU,
-# one group: a launch costs more there than a copy read again (an estimate, not measured).
+# A paged one-token call reads its slots in groups of about this many bytes of copied keys and values, read back
+# from the CPU's caches, not from memory (docs/benchmarks.md). On a GPU, one group: a launch costs more (a guess).
 PAGED_GROUP_BYTES = {"cpu": 8_000_000, "gpu": math.inf}
 
 
@@ -205,8 +198,8 @@ def paged_group_size(n_slots, L, cache, device):
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.c_fc = Linear(config.n_embd, 4 * config.n_embd)
-        self.c_proj = Linear(4 * config.n_embd, config.n_embd)
+        self.c_fc = Linear(config.n_embd, 4 * config.n_embd, batch_invariant=config.batch_invariant)
+        self.c_proj = Linear(4 * config.n_embd, config.n_embd, batch_invariant=config.batch_invariant)
 
     def forward(self, x):
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2 used the tanh GELU
@@ -229,8 +222,7 @@ class KVCache:
     """Keys and values for every layer, in one tensor made once: n_blocks blocks of block_size positions.
     Per slot, a block is a slot: S blocks of max_len positions, slot s's sequence in block s. Paged
     (nanobatch Part 3), many small blocks, and a sequence's positions fill the blocks of its block table.
-    Within a block, heads come first, as in vLLM's blocks: each head's keys lie side by side, as attention
-    reads them, so that a slot's keys are a view that matrix products take without a copy."""
+    Heads come first in a block, as in vLLM's: a head's keys lie side by side, a view a matrix product takes."""
 
     def __init__(self, config, n_blocks, block_size, device, dtype):
         head_size = config.n_embd // config.n_head
@@ -304,7 +296,7 @@ class GPT(nn.Module):
         ))
         # GPT-2 ties its token embeddings to the LM head: token t's embedding is column t of its weight (C, V),
         # stored as the head reads it (Linear); the checkpoint's wte (V, C) is its transpose (load_hf_tensors).
-        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False, batch_invariant=config.batch_invariant)
         for name, p in self.named_parameters():  # std 0.02 as GPT-2 (not its scaled residuals)
             if p.dim() == 2:
                 nn.init.normal_(p, mean=0.0, std=0.02)  # linear and embedding weights
@@ -322,29 +314,18 @@ class GPT(nn.Module):
         """The reference: idx (B, T) token ids -> logits (B, T, V), causal, no cache."""
         B, T = idx.size()
         x = self.embed(idx, torch.arange(T, device=idx.device))  # (B, T, C)
-        if self.config.batch_invariant:
-            x = pad_rows(x)  # (B, T', C): rows of no one's at the end, which causal attention hides from the T
         for block in self.transformer.h:
             x = block(x)
-        return self.lm_head(self.transformer.ln_f(x))[:, :T]  # (B, T, V)
+        return self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
 
     def forward_packed(self, step, cache):
-        """One engine step: run step.tokens (M,) through the model, reading and writing the cache.
-
-        Every linear layer and the MLP see exactly the M tokens fed: no padding, no empty slots.
-        Returns logits (R, V) for step.logit_rows only: the LM head costs 768 x 50257 = 39M
-        multiply-adds a token in GPT-2 124M, about half what its 12 blocks cost, and only a
-        sequence's newest token is ever sampled from.
-        """
+        """One engine step: step.tokens (M,) through the model, reading and writing the cache -> logits (R, V) for
+        step.logit_rows only. Every linear layer sees exactly the M tokens fed, no empty slots; the LM head, 39M
+        multiply-adds a token in GPT-2 124M (half what its 12 blocks cost), only the rows that will sample."""
         x = self.embed(step.tokens, step.positions)  # (M, C)
-        if self.config.batch_invariant:
-            x = pad_rows(x)  # (M', C): rows of no one's at the end, which attention leaves at 0
         for i, block in enumerate(self.transformer.h):
             x = block(x, kv_cache=cache.layer(i), step=step)
-        x = x[step.logit_rows]  # (R, C)
-        if self.config.batch_invariant:
-            x = pad_rows(x)  # (R', C)
-        return self.lm_head(self.transformer.ln_f(x))[:len(step.logit_rows)]  # (R, V)
+        return self.lm_head(self.transformer.ln_f(x[step.logit_rows]))  # (R, V)
 
     @classmethod
     def from_pretrained(cls, source, cache_dir=None, batch_invariant=False):
@@ -360,18 +341,13 @@ class GPT(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Batch invariance: each row's numbers the same whatever shares its step (GPTConfig.batch_invariant)
 #
-# Batching should change when a token is computed, never which. In float32 it can change the last bits of the
-# logits: a kernel may sum a row's products in an order that depends on how many rows share the call (Thinking
-# Machines, "Defeating Nondeterminism in LLM Inference", 2025), and at a near-tie another token wins. Measured op
-# by op (docs/api.md, "Batch invariance"; on a 2-core EPYC with AVX-512, torch 2.13 with MKL): the embeddings,
-# layer norm, GELU, softmax and the residual adds give each row the same bits in any batch. Two ops do not:
-# - a linear layer: MKL computes a lone row (with 2 threads, also the last 1 to 3 rows of fewer than 12) with
-#   another kernel than rows that come 4 at a time. pad_rows gives every call a multiple of 4 rows.
-# - torch's fused attention: it sums over up to 512 keys in one matrix product, and MKL splits a long sum at
-#   points that depend on its length (192 keys and 208, the last 16 masked, give other bits). attention_in_key_blocks
-#   sums exactly KEY_BLOCK keys a product, block after block in order, its queries padded as a linear's rows.
-# The reference (GPT.forward) runs the same ops. The cost: a step of one row computed as 4 (MKL's one-row kernel is
-# 1.5x faster), and attention in small products (docs/benchmarks.md).
+# Batching should change when a token is computed, never which. In float32 it changes the last bits of the logits
+# where a kernel sums a row's products in an order that depends on what shares its call (Thinking Machines, 2025),
+# and at a near-tie another token wins. Measured op by op (tools/verify.py --ops, docs/api.md), two ops do so here:
+# a matrix product, which MKL computes for a lone row (and the last 1-3 of a few) with another kernel than for rows
+# 4 at a time, so pad_rows gives each a multiple of 4; and torch's fused attention, which sums up to 512 keys in one
+# product that MKL splits at length-dependent points, so attention_in_key_blocks sums KEY_BLOCK keys at a time, in
+# order. The reference (GPT.forward) runs the same ops. Cost: a step of one row computed as 4 (docs/benchmarks.md).
 
 ROW_MULTIPLE = 4  # rows a matrix product takes at a time, as MKL computes them alike
 KEY_BLOCK = 64  # keys summed in one matrix product: one length for every call, far below where MKL splits a sum
@@ -412,10 +388,8 @@ def attention_in_key_blocks(query, key, value, attn_mask=None, is_causal=False):
 # one long request among short ones makes every slot pay its length: 64 chat turns of 48 tokens beside one
 # 940-token document read 64 x 940 keys a layer, where the slots hold 63 x 48 + 940. A row attending alone
 # reads only its own keys, but pays for a call of its own. nanobatch's pack_step cuts between the two.
-
-# What one more attention call costs, in keys it could read instead (a key: one position's keys and values,
-# every head). On a 2-core CPU, GPT-2 124M in float32, measured: about 150 keys. On a GPU, an estimate, not
-# measured: some 30 us of launches, in which an H200 (4.8 TB/s) reads 20,000 keys of 6 KB.
+# A call's cost, in keys it could read instead (a key: one position's keys and values, every head): measured
+# on a 2-core CPU, GPT-2 124M in float32, about 150; on a GPU a guess: 30 us of launches, 20,000 keys of 6 KB.
 CALL_COST_IN_KEYS = {"cpu": 150, "gpu": 20_000}
 
 
@@ -437,8 +411,7 @@ def split_at_cut(feeds, n_slots, device):
     """A step's feeds, each (run, slot, first position, token ids) as nanobatch.pack_step lays them out ->
     (one_token, chunks, cut): the one-token feeds no longer than the cut, which attend together over every
     slot's first `cut` positions, and the rest, alone over their own slot: a prompt's chunk, or the one token
-    of a slot past the cut. Where the cut is the longest one-token feed's length (its position + 1), every
-    one-token feed attends together, and the chunks are the prompts'."""
+    of a slot past the cut (a cut of 0: every one). At the longest one's length, every one attends together."""
     cut = attention_cut([position + 1 for _, _, position, ids in feeds if len(ids) == 1], n_slots, device)
     attends_together = [len(ids) == 1 and position < cut for _, _, position, ids in feeds]
     one_token = [feed for feed, together in zip(feeds, attends_together) if together]

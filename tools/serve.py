@@ -557,7 +557,7 @@ class Server(ThreadingHTTPServer):
 
 def load(args):
     """The model and its tokenizer as --demo loads them -> (model, tokenizer or None, its served name)."""
-    model = None if args.quick else nanobatch.load_gpt2(args.weights)
+    model = None if args.quick else nanobatch.load_gpt2(args.weights, args.batch_invariant)
     name = "nanobatch-quick" if args.quick else "gpt2-random" if model is None else Path(args.weights or "gpt2").stem
     if model is None and not args.quick:
         print(f"serve: no GPT-2 weights here (offline, none in {nanobatch.default_cache_dir()}): serving a randomly "
@@ -629,7 +629,7 @@ def parse(argv=None):
                         help="the model's name in the API (gpt2; gpt2-random offline; nanobatch-quick)")
     _, args = nanobatch.parse_args(parser, argv, {"slots", "max_len", "prefill_chunk", "kv_blocks", "kv_block_size",
                                                    "prefix_cache", "policy", "device", "dtype", "weights", "quick",
-                                                   "seed"})
+                                                   "seed", "batch_invariant"})
     return args
 
 

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanobatch.py and model.py
-import model as model_py  # noqa: E402
 import nanobatch  # noqa: E402
 from model import GPT  # noqa: E402
 from nanobatch import (Request, check_arguments, fail, generate, generate_sequential, letter,  # noqa: E402
@@ -83,7 +82,6 @@ def varying_ops(model):
     differed, or "" if nowhere}. Inputs are random: an op's bits depend on the shapes it runs, not the values."""
     config, gen, device = model.config, torch.Generator().manual_seed(0), model.lm_head.weight.device
     block, C, n = model.transformer.h[0], config.n_embd, max(BATCH_SIZES)
-    rows = model_py.pad_rows if config.batch_invariant else (lambda x: x)  # what forward_packed does first
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, dtype=model.lm_head.weight.dtype).to(device)
@@ -93,10 +91,10 @@ def varying_ops(model):
     rowwise = {  # op: (the op on rows x (N, ...), its inputs)
         "embeddings": (lambda i: model.embed(tokens[i], positions[i]), torch.arange(n, device=device)),
         "layer norm": (block.ln_1, randn(n, C)),
-        f"linear {C} -> {3 * C}": (lambda x: block.attn.c_attn(rows(x))[:len(x)], randn(n, C)),
-        f"linear {4 * C} -> {C}": (lambda x: block.mlp.c_proj(rows(x))[:len(x)], randn(n, 4 * C)),
+        f"linear {C} -> {3 * C}": (block.attn.c_attn, randn(n, C)),
+        f"linear {4 * C} -> {C}": (block.mlp.c_proj, randn(n, 4 * C)),
         "GELU": (lambda x: F.gelu(x, approximate="tanh"), randn(n, 4 * C)),
-        f"LM head {C} -> {config.vocab_size}": (lambda x: model.lm_head(rows(x))[:len(x)], randn(n, C)),
+        f"LM head {C} -> {config.vocab_size}": (model.lm_head, randn(n, C)),
         "softmax (sampling)": (lambda x: torch.softmax(x, dim=-1), randn(n, config.vocab_size)),
     }
     found = {}
