@@ -356,7 +356,7 @@ def test_bench_warms_each_way_of_serving_up_before_timing_it(monkeypatch):
     args = SimpleNamespace(seed=0, quick=True, weights=None, device=torch.device("cpu"), dtype=torch.float32,
                            call_cost=None, decode_steps=False, requests=8, arrival_rate=None, slots=3,
                            prefill_chunk=5, disaggregate=True, max_len=None, paged=False, prefix=False, paged_step=False,
-                           kv_blocks=None, kv_block_size=16)
+                           kv_blocks=None, kv_block_size=16, roofline=False, batch_invariant=False)
     with pytest.raises(Stop):
         bench.bench(args)
     untimed = [call[2:] for call in calls if call[0] == "untimed"]

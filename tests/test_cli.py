@@ -127,8 +127,8 @@ def test_gpu_check_on_the_cpu(tmp_path):
     summary = (out / "summary.txt").read_text().splitlines()
     steps = ["machine", "pytest", "bench-2-slots-float32", "bench-4-slots-float32", "bench-paged-2-slots-float32",
              "decode-steps-cost-0", "decode-steps-cost-2000", "decode-steps-cost-20000", "verify-bfloat16",
-             "verify-bfloat16-disaggregated", "verify-bfloat16-paged", "demo-quick-disaggregated",
-             "demo-disaggregated", "demo-paged"]
+             "verify-bfloat16-disaggregated", "verify-bfloat16-paged", "verify-ops-float32", "verify-batch-invariant",
+             "verify-batch-invariant-paged", "demo-quick-disaggregated", "demo-disaggregated", "demo-paged"]
     assert [line.split()[0] for line in summary] == steps and result.stdout.splitlines() == summary, result.stdout
     assert result.returncode == 0 and all(line.split()[1] == "ok" for line in summary), summary
     assert all((out / f"{name}.txt").stat().st_size > 0 for name in steps)
@@ -141,6 +141,10 @@ def test_gpu_check_on_the_cpu(tmp_path):
     assert "12 answers: " in (out / "verify-bfloat16-disaggregated.txt").read_text()
     assert "12 answers: " in (out / "verify-bfloat16-paged.txt").read_text()
     assert "paged, 64 slots: " in (out / "demo-paged.txt").read_text()
+    ops = (out / "verify-ops-float32.txt").read_text()  # the default path varies here; the batch-invariant never
+    assert "attention" in ops and all(line.rstrip().endswith("nowhere") for line in ops.splitlines()[2:]), ops
+    for name in ("verify-batch-invariant", "verify-batch-invariant-paged"):
+        assert "bit for bit (batch-invariant): 36 of 36 logits rows" in (out / f"{name}.txt").read_text()
     demo = (out / "demo-quick-disaggregated.txt").read_text()
     assert "== disaggregated: 32 requests" in demo and "the prefill worker on" in demo and "== static" in demo
     handed = [word for line in demo.split("== static")[0].splitlines() if line.startswith("step ")

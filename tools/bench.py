@@ -7,6 +7,7 @@ The benchmark: continuous batching against static and sequential, timed, on seed
     python tools/bench.py --paged            only section 4, paged attention: a few minutes on a CPU
     python tools/bench.py --prefix           only section 5, prefix caching: a few minutes on a CPU
     python tools/bench.py --paged-step       only section 6, a paged decode step at 64 rows: a minute or two
+    python tools/bench.py --roofline         only section 7, a decode step against its matrix products: minutes
 
 1) The main workload: 16 requests per slot, all queued at once, prompts of 4-16 tokens, answers of
    long-tailed lengths, served continuous, static, and sequential (the engine with one slot), then
@@ -21,6 +22,8 @@ The benchmark: continuous batching against static and sequential, timed, on seed
    the same pool, arriving in a stream and all at once.
 6) --paged-step, on its own: a decode step of 64 rows of short sequences, paged against per slot, timed
    in whole runs of generate and step by step: the two ways of measuring it side by side.
+7) --roofline, on its own: generate's decode step at 1 to 64 rows, the default path and the batch-invariant one
+   alternated, against the step's matrix products alone (its floor), and where the rest of the step goes.
 """
 import argparse
 import math
@@ -33,9 +36,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanobatch.py and model.py
 import model as model_py  # noqa: E402
+from model import GPT  # noqa: E402
 import nanobatch  # noqa: E402
 from belt_svg import checked_path, write_svg  # noqa: E402
 from nanobatch import (Request, Running, check_runs, generate, long_tailed, pack_step, positive,  # noqa: E402
@@ -57,6 +62,8 @@ def bench(args):
         return prefix_caching(model, args)
     if args.paged_step:
         return paged_step(model, args)
+    if args.roofline:
+        return roofline(model, args)
     requests = main_workload(model, args, args.slots)
     runs = [("continuous", args.slots, "continuous", args.prefill_chunk, False, None, False),
             ("static", args.slots, "static", args.prefill_chunk, False, None, False),
@@ -402,7 +409,7 @@ def demo_workload(model, args, n_slots):
 
 def block_table_price(model, row_counts, block_size, n_rounds=15):
     """Decode steps of the same belts per slot and paged (decode_step), every slot decoding: per slot
-    in n_slots slots of max_len, paged in a pool of the same memory. A round times one step each way,
+    in n_slots slots of max_len, paged in a pool of as many positions. A round times one step each way,
     per slot first in one round and paged first in the next, so that the machine's drift falls on
     both alike: the ratio of each round, its median and range. Paged, model.slot_positions gathers
     each slot's blocks into a copy that a per-slot view does not make: then that copy timed alone
@@ -415,17 +422,14 @@ def block_table_price(model, row_counts, block_size, n_rounds=15):
     print(f"{'':10}" + "".join(f"{name:>36}" for name in belts))
     for n_slots in row_counts:
         slot_len = block_size * math.ceil(max_len / block_size)  # a slot's positions, in whole blocks
-        try:  # one cache: n_slots x 1024 positions, 4.8 GB at 64 slots of GPT-2 124M in float32
-            model_py.check_cache_fits(config, n_slots, slot_len, device, model.lm_head.weight.dtype)
+        try:  # two caches of n_slots x 1024 positions, 4.8 GB each at 64 slots of GPT-2 124M in float32
+            model_py.check_cache_fits(config, 2 * n_slots, slot_len, device, model.lm_head.weight.dtype)
         except ValueError as e:
             print(f"{n_slots} rows: not timed, {e}")
             continue
-        # One cache, read two ways: per slot, and paged through a second KVCache whose blocks are views of the
-        # same memory (slot s's positions are blocks s * slot_len / block_size onwards). Only the time of a
-        # forward is kept, never what it wrote, so the two may write over each other.
-        per_slot, paged = model.new_cache(n_slots, slot_len), model.new_cache(0, block_size)
-        paged.kv = per_slot.kv.view(*per_slot.kv.shape[:2], -1, block_size, *per_slot.kv.shape[4:])
-        caches = (per_slot, paged)
+        # Two caches of as many positions: per slot, and a pool of blocks (a slot's keys, heads first, are no
+        # run of blocks, so the pool cannot be a view of the slots' memory). Only a forward's time is kept.
+        caches = model.new_cache(n_slots, slot_len), model.new_cache(n_slots * slot_len // block_size, block_size)
         cells, gather_cells = [], []
         for belt in belts.values():
             positions = [length - 1 for length in belt(n_slots)]
@@ -442,7 +446,7 @@ def block_table_price(model, row_counts, block_size, n_rounds=15):
             gather_cells.append(f"{1e3 * gathers:.1f} ms alone, {gathers / statistics.median(paged):.0%} of paged")
         print(f"{f'{n_slots} rows':10}" + "".join(f"{cell:>36}" for cell in cells))
         print(f"{'  gathers':10}" + "".join(f"{cell:>36}" for cell in gather_cells), flush=True)
-        del caches, per_slot, paged  # before the next row count's: at 64 rows, 4.8 GB
+        del caches  # before the next row count's: at 64 rows, 9.7 GB
 
 
 def time_gathers(packed, cache):
@@ -560,6 +564,95 @@ def paged_step(model, args, n_runs=2, n_rounds=15):
     return []
 
 
+# ---------------------------------------------------------------------------------------------
+# 7) The roofline: a decode step against the matrix products it cannot do without
+
+ROOFLINE_ROWS = (1, 8, 16, 64)  # every slot decoding: a lone request, a small belt, a middling one, a full one
+ROOFLINE_PROMPT, ROOFLINE_NEW = 16, 40  # each request's prompt and answer: steps of 17 to 55 positions
+STEP_OPS = {  # a profiled step's operations, by what they do (torch.profiler's names, self time)
+    "matrix products": ("aten::addmm", "aten::mm"),
+    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm", "aten::_softmax",
+                  "aten::masked_fill", "aten::masked_fill_", "aten::index_select"),
+    "cache writes": ("aten::_index_put_impl_",),
+    "norms, GELU, residuals": ("aten::native_layer_norm", "aten::gelu", "aten::add", "aten::add_"),
+    "sampling": ("aten::argmax",),
+}
+
+
+def decode_steps(model, n_rows):
+    """generate's decode steps with every one of n_rows slots decoding -> their StepReports' step_s."""
+    requests = [Request([(97 * i + j) % model.config.vocab_size for j in range(ROOFLINE_PROMPT)], ROOFLINE_NEW)
+                for i in range(n_rows)]
+    seconds = []
+    generate(model, requests, n_slots=n_rows, eos_id=None, on_step=lambda report: seconds.append(report.step_s)
+             if report.n_running == n_rows and report.n_prompt_tokens == 0 else None)
+    return seconds
+
+
+def products_alone(model, n_rows, layout):
+    """Seconds for the 48 linear layers and the LM head of a step of n_rows, torch's kernels and nothing else:
+    layout "as stored", model.Linear's x @ W; "nn.Linear", F.linear's x @ W^T (the weights transposed once)."""
+    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+    layers = [layer for block in model.transformer.h for layer in (block.attn.c_attn, block.attn.c_proj,
+                                                                   block.mlp.c_fc, block.mlp.c_proj)]
+    layers.append(model.lm_head)
+    inputs = {layer.weight.size(0): torch.randn(n_rows, layer.weight.size(0), device=device, dtype=dtype)
+              for layer in layers}
+    if layout == "nn.Linear":
+        weights = [(layer.weight.t().contiguous(), layer.bias) for layer in layers]
+        start = time.perf_counter()
+        for weight, bias in weights:
+            F.linear(inputs[weight.size(1)], weight, bias)
+    else:
+        start = time.perf_counter()
+        for layer in layers:
+            layer(inputs[layer.weight.size(0)])
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def roofline(model, args, n_passes=3, n_products=15):
+    """Section 7: at each row count, the decode step of the default path and the batch-invariant one (the same
+    weights), alternated over n_passes runs of generate, as the median step_s; the products alone in both layouts,
+    the median of n_products; then one profiled run of the default path: where the rest of its step goes."""
+    invariant = GPT(replace(model.config, batch_invariant=True)).to(args.device, args.dtype).eval()
+    invariant.load_state_dict(model.state_dict())
+    rows = [args.slots] if args.slots != nanobatch.OPTIONS["slots"][1] else ROOFLINE_ROWS
+    print(f"decode steps ({ROOFLINE_PROMPT}-token prompts, {ROOFLINE_NEW} new tokens, every slot decoding), the "
+          f"median step_s of {n_passes} runs a path, alternated; products alone: the 48 linear layers and the LM "
+          f"head on ({'{rows}'}, {model.config.n_embd}), the median of {n_products}; {torch.get_num_threads()} "
+          f"threads, {args.device}, {args.dtype}")
+    print(f"{'rows':>5}{'default ms':>12}{'invariant ms':>14}{'invariant/default':>19}{'products ms':>13}"
+          f"{'(nn.Linear)':>12}{'default/products':>18}{'(nn.Linear)':>13}")
+    with torch.no_grad():
+        for n_rows in rows:
+            steps = {False: [], True: []}
+            for i in range(2 * n_passes):
+                path = bool(i % 2) != bool(i // 2 % 2)  # default, invariant, invariant, default, ...
+                steps[path] += decode_steps(invariant if path else model, n_rows)
+            products = {layout: statistics.median(products_alone(model, n_rows, layout) for _ in range(n_products))
+                        for layout in ("as stored", "nn.Linear")}
+            default, batch_invariant = (statistics.median(steps[path]) for path in (False, True))
+            print(f"{n_rows:>5}{1e3 * default:>12.1f}{1e3 * batch_invariant:>14.1f}{batch_invariant / default:>18.2f}x"
+                  f"{1e3 * products['as stored']:>13.1f}{1e3 * products['nn.Linear']:>12.1f}"
+                  f"{default / products['as stored']:>17.2f}x{default / products['nn.Linear']:>12.2f}x", flush=True)
+    where_the_step_goes(model, rows[-1])
+
+
+def where_the_step_goes(model, n_rows):
+    """One run of generate at n_rows, its decode steps profiled: each kind of operation's share of their time,
+    by torch.profiler's self time (STEP_OPS); the rest is Python and the operations between them."""
+    from torch.profiler import ProfilerActivity, profile
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as profiled:
+        seconds = decode_steps(model, n_rows)
+    self_us = {event.key: event.self_cpu_time_total for event in profiled.key_averages()}
+    total_us = sum(self_us.values())  # every step of the run, prefill too: shares, not the decode steps' times
+    shares = {kind: sum(self_us.get(name, 0) for name in names) / total_us for kind, names in STEP_OPS.items()}
+    shares["everything else (Python, copies, small ops)"] = 1 - sum(shares.values())
+    print(f"\nwhere a run's time goes at {n_rows} rows ({len(seconds)} decode steps, profiled, so slower): " +
+          ", ".join(f"{kind} {share:.1%}" for kind, share in shares.items()))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="tools/bench.py", description="continuous vs static vs sequential, timed")
     parser.add_argument("--requests", type=positive(int), metavar="N", help="the main workload's (16 per slot)")
@@ -574,6 +667,8 @@ def main(argv=None):
                       "cache and without, in one pool (--kv-blocks, 512; --slots, 16)")
     only.add_argument("--paged-step", action="store_true", help="only section 6: a decode step of 64 rows of short "
                       "sequences, paged against per slot, timed in whole runs and step by step")
+    only.add_argument("--roofline", action="store_true", help="only section 7: a decode step at 1 to 64 rows (or "
+                      "--slots), default and batch-invariant, against its matrix products alone")
     parser.add_argument("--svg", metavar="FILE", type=checked_path, help="the belt drawn into FILE: continuous, "
                         "static (and disaggregated), then the long-prompt runs with their step durations")
     typed, args = nanobatch.parse_args(parser, argv, nanobatch.SERVING | {"quick", "weights"})
@@ -595,6 +690,10 @@ def main(argv=None):
         for name in [name for name in ("slots", "kv_blocks", "prefill_chunk", "disaggregate", "requests",
                                        "arrival_rate", "svg") if typed.get(name) not in (None, False)]:
             parser.error(f"--{name.replace('_', '-')} does not apply to --paged-step, which runs its own workload")
+    elif args.roofline:
+        for name in [name for name in ("kv_blocks", "prefill_chunk", "disaggregate", "requests", "arrival_rate", "svg",
+                                       "batch_invariant") if typed.get(name) not in (None, False)]:
+            parser.error(f"--{name.replace('_', '-')} does not apply to --roofline, which runs both paths its own way")
     elif "kv_blocks" in typed:  # the other sections' runs reserve per slot
         parser.error("--kv-blocks applies to --paged and --prefix only")
     groups = nanobatch.run_cli(bench, args)

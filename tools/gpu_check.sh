@@ -68,6 +68,13 @@ step verify-bfloat16 150 "$py" tools/verify.py "${device[@]}" "${quick[@]}" --dt
 step verify-bfloat16-disaggregated 150 "$py" tools/verify.py "${device[@]}" "${quick[@]}" --dtype bfloat16 \
   --disaggregate
 step verify-bfloat16-paged 150 "$py" tools/verify.py "${device[@]}" "${quick[@]}" --dtype bfloat16 --kv-blocks 8
+# 5b) Batch invariance on this machine: each op of a step in float32, where a row's bits depend on its batch
+#     (default path, batch-invariant path; FAILED if an op of the batch-invariant path varies here), then the
+#     batch-invariant engine against the reference, bit for bit, paged too (docs/api.md, "Batch invariance").
+step verify-ops-float32 150 "$py" tools/verify.py "${device[@]}" "${quick[@]}" --dtype float32 --ops
+step verify-batch-invariant 150 "$py" tools/verify.py "${device[@]}" "${quick[@]}" --dtype float32 --batch-invariant
+step verify-batch-invariant-paged 150 "$py" tools/verify.py "${device[@]}" "${quick[@]}" --dtype float32 \
+  --batch-invariant --kv-blocks 8
 # 6) The demo, quick and full, disaggregated; then paged, 64 slots sharing what 8 slots of 1,024 hold.
 step demo-quick-disaggregated 60 "$py" nanobatch.py --demo --quick --disaggregate "${device[@]}"
 step demo-disaggregated 120 "$py" nanobatch.py --demo --disaggregate "${device[@]}" "${quick[@]}"
