@@ -46,7 +46,7 @@ def server():
 
 
 def url(server):
-    return f"http://127.0.0.1:{server.httpd.server_address[1]}/"
+    return f"http://127.0.0.1:{server.address[1]}/"
 
 
 def run_tool(server, tmp_path, *options):
