@@ -149,15 +149,13 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer, self.utf8 = tokenizer, codecs.getincrementaldecoder("utf-8")("replace")
 
-    def text(self, token, is_last):
-        """The text that token completes (token None: none)."""
+    def text(self, token, is_last):  # the text that token completes (token None: none)
         if self.tokenizer is None:  # offline: the answer is its token_ids only
             return ""
         data = b"" if token is None or token == EOT else self.tokenizer.decode_single_token_bytes(token)
         return self.utf8.decode(data, final=is_last)
 
-    def name(self, token):
-        """A token alone, as logprobs names it (vLLM's way): its own text, or offline "token_id:ID"."""
+    def name(self, token):  # a token alone, as logprobs names it (vLLM's way): its text, or offline token_id:ID
         return f"token_id:{token}" if self.tokenizer is None else self.tokenizer.decode([token])
 
 
@@ -408,10 +406,13 @@ class Door:
 
 
 KEY_PAGE = """<!doctype html><meta charset="utf-8"><title>nanobatch: API key</title>
-<form style="font: 15px sans-serif; margin: 2em" onsubmit="event.preventDefault(); fetch('/', {headers:
-  {Authorization: 'Bearer ' + key.value}}).then((reply) => reply.ok ? location.reload() : said.textContent = 'wrong')">
-  This server needs its API key (--api-key): <input type="password" id="key" autofocus> <button>open</button>
-  <span id="said"></span></form>
+<form id="form" style="font: 15px sans-serif; margin: 2em">This server needs its API key (--api-key):
+  <input type="password" id="key" autofocus> <button>open</button> <span id="said"></span></form>
+<script>form.onsubmit = async (event) => {  // the key, sent once as the API takes it: the reply's cookie lets us in
+  event.preventDefault();
+  const reply = await fetch("/", {headers: {Authorization: `Bearer ${key.value}`}});
+  if (reply.ok) location.reload(); else said.textContent = "wrong key";
+};</script>
 """
 
 
