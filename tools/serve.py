@@ -55,7 +55,7 @@ PAGE = Path(__file__).resolve().parent / "serve.html"  # the live part of the pa
 # A mask's bits in a /steps event, at most (past it, no grid is made or drawn). Measured on GPT-2 124M's shape, four
 # prompts of 400-900 tokens in a step: their bits cost the engine's thread 110 ms, 2.9 MB an event; capped, 11 ms
 MAX_MASK_CELLS = 2 ** 15
-MAX_BEHIND = 10_000  # /steps events a client may leave unread; past them it is let go (the engine never waits)
+MAX_BEHIND = 10_000  # /steps events a client may leave unread; past them it misses steps (the engine never waits)
 GRACE_S = 2  # seconds a stop lets the replies in flight end (each aborted) before it cuts them
 KEY_COOKIE = "nanobatch-key"  # the page's proof that its browser gave the API key (never the key itself)
 prometheus_client.disable_created_metrics()  # no "_created" twin beside each counter: /metrics shows what counts
@@ -123,8 +123,8 @@ class CompletionRequest(BaseModel):
     @classmethod
     def left_out(cls, value, info):
         if value not in UNSUPPORTED[info.field_name]:
-            raise PydanticCustomError("unsupported_parameter", f"{info.field_name}={json.dumps(value)} is not "
-                                      f"supported by nanobatch (leave it out)")
+            raise PydanticCustomError("unsupported_parameter", f"{info.field_name}={json.dumps(value)[:80]} is "
+                                      f"not supported by nanobatch (leave it out)")
         return value
 
 
@@ -288,7 +288,7 @@ class Engine:
         """One engine step, in the engine's thread: the metrics, the logprobs asked for, the /steps event."""
         metrics, leaving = self.metrics, {i for i, _ in report.finished}
         with self.lock:
-            named = {i for i in report.occupants if i is not None} | {*report.waiting, *leaving}  # a cancel: neither
+            named = {i for i in report.occupants if i is not None} | {*report.waiting, *leaving}  # a cancel: leaving
             requests = {i: self.shown[i] for i in named}  # each /steps event says who it names
             for i in report.sampled:  # vLLM counts a prompt's tokens when its first token comes
                 metrics["prompt_tokens"].inc(self.prompt_lengths.pop(i, 0))
@@ -313,8 +313,8 @@ class Engine:
                 put(row)
         if self.watchers:  # no one reads /steps: no event made, the engine pays for it only while it is read
             data = event(step_event(report, self.completion_id, requests, self.tokenizer))
-            for watcher in list(self.watchers):  # one MAX_BEHIND events behind is let go: the engine never waits
-                self.loop.call_soon_threadsafe(watcher.put_nowait, data if watcher.qsize() < MAX_BEHIND else None)
+            for watcher in [watcher for watcher in self.watchers if watcher.qsize() < MAX_BEHIND]:
+                self.loop.call_soon_threadsafe(watcher.put_nowait, data)
 
     async def steps(self):
         """/steps: each step's event, until the client goes or the server stops (None comes)."""
@@ -600,8 +600,8 @@ def serve(args):
     try:
         print("\n".join(addresses(args.host, engine.address[1])), flush=True)
         if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-            print(f"serve: WARNING: no --api-key, and open to every machine that reaches {args.host}: anyone can send "
-                  f"prompts, and read every prompt and answer at /steps", file=sys.stderr, flush=True)
+            print(f"serve: WARNING: no --api-key, on {args.host}: anyone who reaches this machine can send prompts, "
+                  f"and read every prompt and answer at /steps", file=sys.stderr, flush=True)
         while not stop_asked.wait(0.1):  # a signal sets it; the timeout keeps the main thread able to take one
             pass
         print("serve: stopping: aborting the requests in flight", file=sys.stderr, flush=True)
