@@ -28,6 +28,7 @@ import logging
 import os
 import queue
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -755,19 +756,23 @@ def test_text_comes_a_piece_per_token_never_splitting_a_character(tokens):
 
 
 def ctrl_c_in_flight(folder):
-    """tools/serve.py in a process of its own (a signal goes to a whole process), one slot, three streaming
-    clients: once one runs and two wait, SIGINT; then a new request every few ms until the process has gone
-    -> (the line it printed first, its exit status, the seconds from the signal to its exit, each client's
-    events, what each request sent while it stopped got: a status, or the error that refused it)."""
-    command = [sys.executable, str(REPO / "tools" / "serve.py"), "--quick", "--port", "0", "--slots", "1"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                               env={**os.environ, "NANOBATCH_CACHE": str(folder), "OMP_NUM_THREADS": "1",
-                                    "https_proxy": "http://127.0.0.1:9"})  # offline at once, as tests/test_cli.py
+    """tools/serve.py in a process of its own (a signal goes to a whole process), as a class starts it, on every
+    address (0.0.0.0) with no key, one slot, three streaming clients: once one runs and two wait, SIGINT; then a
+    new request every few ms until the process has gone -> (the addresses it printed, a line each, its exit
+    status, the seconds from the signal to its exit, each client's events, what each request sent while it
+    stopped got: a status, or the error that refused it, and what it wrote on stderr)."""
+    command = [sys.executable, str(REPO / "tools" / "serve.py"), "--quick", "--host", "0.0.0.0", "--port", "0",
+               "--slots", "1"]
+    with open(folder / "stderr", "w") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                   env={**os.environ, "NANOBATCH_CACHE": str(folder), "OMP_NUM_THREADS": "1",
+                                        "https_proxy": "http://127.0.0.1:9"})  # offline at once, as test_cli.py
     try:
-        lines = queue.Queue()
+        lines, addresses = queue.Queue(), []
         threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
-        address = lines.get(timeout=TIMEOUT_S).strip()
-        host, port_number = address[len("http://"):-1].split(":")
+        while not addresses or not addresses[-1].startswith("http://127.0.0.1:"):  # the machine's, then its own
+            addresses.append(lines.get(timeout=TIMEOUT_S).strip())
+        host, port_number = addresses[-1][len("http://"):-1].split(":")
         streams = [None] * 3
 
         def client(k):
@@ -793,7 +798,7 @@ def ctrl_c_in_flight(folder):
         stopped_s = time.monotonic() - sent
         for thread in clients:
             thread.join(TIMEOUT_S)
-        return address, status, stopped_s, streams, late
+        return addresses, status, stopped_s, streams, late, (folder / "stderr").read_text()
     finally:
         process.kill()
         process.wait()
@@ -818,13 +823,17 @@ IN_BACKGROUND["test_ctrl_c_aborts_what_is_in_flight_and_exits_0"] = ctrl_c_in_fl
 
 
 def test_ctrl_c_aborts_what_is_in_flight_and_exits_0(ran):
-    """The address printed alone on a line once it serves; SIGINT with one request in the one slot and two
-    waiting: every stream ends, the waiting ones (at least) with "abort", then [DONE], and the process exits
-    0 within a couple of seconds; a request sent while it stops gets a 503, or its connection is refused (or
-    closed before any reply), never a reply cut short. (Its run starts Python and torch again: it starts with
-    the session, beside the other tests, as tests/common.py's IN_BACKGROUND says.)"""
-    address, status, stopped_s, streams, late = ran
-    assert address.startswith("http://127.0.0.1:") and address.endswith("/"), address
+    """On 0.0.0.0 it prints, once it serves, an address a line that a browser can open (this machine's, 127.0.0.1
+    last, never 0.0.0.0) and, with no key, a warning; SIGINT with one request in the one slot and two waiting:
+    every stream ends, the waiting ones (at least) with "abort", then [DONE], and the process exits 0 within a
+    couple of seconds; a request sent while it stops gets a 503, or its connection is refused (or closed before
+    any reply), never a reply cut short; no traceback is written. (Its run starts Python and torch again: it
+    starts with the session, beside the other tests, as tests/common.py's IN_BACKGROUND says.)"""
+    addresses, status, stopped_s, streams, late, stderr = ran
+    port_number = addresses[-1].rsplit(":", 1)[1]
+    assert all(re.fullmatch(r"http://\d+\.\d+\.\d+\.\d+:" + port_number, address) and "0.0.0.0" not in address
+               for address in addresses), addresses
+    assert "WARNING: no --api-key, on 0.0.0.0" in stderr and "Traceback" not in stderr, stderr
     assert status == 0
     assert stopped_s < 5, "it took over 5 s to stop"  # about 0.5 s here; a loaded machine, more
     reasons = sorted(chunks[-2]["choices"][0]["finish_reason"] for chunks in streams)
