@@ -8,8 +8,7 @@ Two actors, a thread each: the engine's runs nanobatch's loop (Part 5: LiveReque
 uvicorn's event loop serves every connection (HTTP parsed by h11, each request checked by pydantic). Between them,
 a queue per request, fed from the engine's thread with loop.call_soon_threadsafe(queue.put_nowait, item), as vLLM's
 AsyncLLM feeds a request's output collector. docs/api.md has every endpoint and field. On a machine that also runs
-the clients, start it with OMP_NUM_THREADS=1: torch's idle threads spin beside the event loop (docs/labs.md, Lab 12:
-at 8 requests a second on 2 cores, a --quick step 3.3 ms with it, 3.5 to 99.9 ms in three runs without).
+the clients, start it with OMP_NUM_THREADS=1: torch's idle threads would spin beside them (docs/labs.md, Lab 12).
 """
 import argparse
 import asyncio
@@ -128,18 +127,29 @@ class CompletionRequest(BaseModel):
         return value
 
 
-def invalid(error):
-    """pydantic's first complaint about a body -> the ApiError that names its field (param: a top-level field)."""
-    first = error.errors()[0]
-    kind, where = first["type"], first["loc"][1:]  # loc: ("body", field, ...), or ("body", a place in the JSON)
-    param = where[0] if where and isinstance(where[0], str) else None
-    if kind == "json_invalid":
-        return ApiError(400, f"the body is not valid JSON: {first['ctx']['error']}", code="invalid_json")
-    message = first["msg"] if kind in ("empty", "several", "prompt", "unsupported_parameter") else \
-        f"{param or 'the body'}: {first['msg']}, got {reprlib.repr(first['input'])}"  # ours: whole sentences
-    codes = {"empty": "missing_required_parameter", "missing": "missing_required_parameter",
-             "unsupported_parameter": "unsupported_parameter"}
-    return ApiError(400, message, param, codes.get(kind, "invalid_value"))
+async def error_reply(http, error):
+    """Every error in OpenAI's shape: ours (an ApiError); pydantic's first complaint about a body, naming its field
+    (param: a top-level field); starlette's (no such path or method, a body that Python's json cannot parse)."""
+    if isinstance(error, HTTPException):
+        path, allowed = http.url.path, (error.headers or {}).get("Allow")
+        message, code = {404: (f"no such path: {path}", "not_found"), 405: (f"{path} takes {allowed}, not "
+                                                                            f"{http.method}", "method_not_allowed")
+                         }.get(error.status_code, (f"the body is not valid JSON: {error.__cause__!r}", "invalid_json"))
+        error = ApiError(error.status_code, message, code=code)
+    elif not isinstance(error, ApiError):
+        first = error.errors()[0]
+        kind, where = first["type"], first["loc"][1:]  # loc: ("body", field, ...), or ("body", a place in the JSON)
+        param = where[0] if where and isinstance(where[0], str) else None
+        if kind == "json_invalid":
+            message = f"the body is not valid JSON: {first['ctx']['error']}"
+        elif kind in ("empty", "several", "prompt", "unsupported_parameter"):  # ours: whole sentences already
+            message = first["msg"]
+        else:
+            message = f"{param or 'the body'}: {first['msg']}, got {reprlib.repr(first['input'])}"
+        codes = {"empty": "missing_required_parameter", "missing": "missing_required_parameter",
+                 "unsupported_parameter": "unsupported_parameter", "json_invalid": "invalid_json"}
+        error = ApiError(400, message, param, codes.get(kind, "invalid_value"))
+    return error.response()
 
 
 class Detokenizer:
@@ -202,8 +212,7 @@ def event(body):  # one server-sent event: a JSON body, or [DONE]
 
 
 class Engine:
-    """The engine's thread (a LiveRequests), and what the event loop reads of it: each step's report becomes, in
-    on_step, the metrics, the logprobs asked for and the /steps event."""
+    """The engine's thread (a LiveRequests), and what the event loop reads of it, which on_step makes each step."""
 
     def __init__(self, model, tokenizer, model_name, args):
         self.model, self.tokenizer, self.model_name, self.max_len = model, tokenizer, model_name, args.max_len
@@ -420,16 +429,8 @@ def app_of(engine):
     """The server's FastAPI application, serving engine."""
     app = fastapi.FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # docs/api.md is the documentation
     app.add_middleware(Door, engine=engine)
-    app.add_exception_handler(ApiError, lambda http, error: error.response())
-    app.add_exception_handler(fastapi.exceptions.RequestValidationError, lambda http, error: invalid(error).response())
-
-    @app.exception_handler(HTTPException)  # starlette's: no such path or method, or a body Python cannot parse
-    async def http_error(http, error):
-        path, allowed = http.url.path, (error.headers or {}).get("Allow")
-        message, code = {404: (f"no such path: {path}", "not_found"), 405: (f"{path} takes {allowed}, not "
-                                                                            f"{http.method}", "method_not_allowed")
-                         }.get(error.status_code, (f"the body is not valid JSON: {error.__cause__!r}", "invalid_json"))
-        return ApiError(error.status_code, message, code=code).response()
+    for kind in (ApiError, fastapi.exceptions.RequestValidationError, HTTPException):
+        app.add_exception_handler(kind, error_reply)  # async: on the event loop, no thread for an error
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: fastapi.Request):
@@ -534,8 +535,7 @@ def load(args):
     model = nanobatch.seeded_model(args) if model is None else model.to(args.device, args.dtype).eval()
     tokenizer = nanobatch.load_tokenizer(model)
     if tokenizer is None:
-        print("serve: no tokenizer (tiktoken's GPT-2 files cannot be had offline): prompts must be lists of token "
-              "ids, and answers come as token_ids, their text empty", file=sys.stderr)
+        print("serve: no tokenizer (tiktoken's files offline): prompts are ids, answers token_ids", file=sys.stderr)
     return model, tokenizer, name
 
 
