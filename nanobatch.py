@@ -45,6 +45,7 @@ class Request:
     top_k: int | None = None  # sample among the k largest logits only (None: all)
     seed: int | None = None  # per-request sampling seed (None: a random one)
     arrival: int = 0  # loop step at which the scheduler first sees this request
+    ignore_eos: bool = False  # go on through EOS to max_new_tokens (vLLM's ignore_eos, its benchmark's)
 
 
 @dataclass
@@ -91,14 +92,13 @@ def sample_step(logits, runs, device):
 
 
 def stop_reason(request, tokens, max_len, eos_id):
-    """Why the request is done after its newest token, or None if it goes on."""
-    if tokens[-1] == eos_id:
+    """Why the request is done after its newest token; it goes on while this returns None."""
+    if tokens[-1] == eos_id and not request.ignore_eos:
         return "eos"
     if len(tokens) == request.max_new_tokens:
         return "length"
     if len(request.prompt) + len(tokens) == max_len:
         return "context"  # its slot is full: the next token would have no position
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -722,13 +722,14 @@ class PrefixCache(BlockPool):
 # (its slot and blocks back, a prefix cache keeping what it wrote), told "abort".
 
 class Stream:
-    """A submitted request's handle: iterate it (once) for (token, finish_reason) as the steps make them;
-    the last pair has a finish_reason ("eos", "length", "context", or "abort" with token None), and then
-    .completion holds its Completion. cancel() from any thread."""
+    """A submitted request's handle: iterate it (once) for (token, finish_reason) as the steps make them; the last
+    pair has a finish_reason ("eos", "length", "context", or "abort" with token None), then .completion holds its
+    Completion. cancel() from any thread. on_item, if given, takes each item instead: the engine's thread calls it."""
 
-    def __init__(self, request_index, request):
+    def __init__(self, request_index, request, on_item=None):
         self.request_index, self.request = request_index, request
         self.items = queue.Queue()  # (token, finish_reason), or the engine's error, put by the engine's thread
+        self.put = on_item or self.items.put  # where the engine's thread hands each item
         self.completion, self.is_cancelled = None, False
         self.submitted_at = time.perf_counter()  # its arrival: its times count from here, not from a step
 
@@ -773,17 +774,17 @@ class LiveRequests:
             with self.changed:
                 self.error, self.is_closed = error, True
                 for stream in [*self.streams.values(), *self.submitted]:
-                    stream.items.put(error)
+                    stream.put(error)
             self.started.set()
 
-    def submit(self, request):  # into the queue -> its Stream; a request generate would refuse: a ValueError
+    def submit(self, request, on_item=None):  # into the queue -> its Stream; one generate would refuse: a ValueError
         request = check_request(self.model, request, "request", self.options.get("max_len") or
                                 self.model.config.block_size, self.options.get("kv_blocks"),
                                 self.options.get("kv_block_size", 16))  # generate's defaults
         with self.changed:
             if self.is_closed:
                 raise RuntimeError("LiveRequests is closed: it takes no more requests") from self.error
-            stream, self.n_submitted = Stream(self.n_submitted, request), self.n_submitted + 1
+            stream, self.n_submitted = Stream(self.n_submitted, request, on_item), self.n_submitted + 1
             self.submitted.append(stream)
             self.changed.notify_all()
         return stream
@@ -828,7 +829,7 @@ class LiveRequests:
     def hear(self, run, token):  # an item to run's Stream now; its last, with the Completion, ends the stream
         stream = self.streams.pop(run.request_index) if run.completion else self.streams[run.request_index]
         stream.completion = run.completion
-        stream.items.put((token, run.completion and run.completion.finish_reason))
+        stream.put((token, run.completion and run.completion.finish_reason))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -934,6 +935,8 @@ def check_request(model, r, name, max_len, kv_blocks, kv_block_size):
     """One request checked -> a copy in plain types, each number checked as it is converted."""
     if not isinstance(r, Request):
         raise ValueError(f"{name} must be a Request, got {type(r).__name__}")
+    if not isinstance(r.ignore_eos, bool):
+        raise ValueError(f"{name}.ignore_eos must be True or False, got {reprlib.repr(r.ignore_eos)}")
     prompt = token_ids(r.prompt, f"{name}.prompt", model.config.vocab_size)
     if len(prompt) >= max_len:
         raise ValueError(f"{name}.prompt has {len(prompt)} tokens, which leaves no room in "
@@ -992,6 +995,7 @@ class StepReport:
     kv_kept: int = 0  # Part 4: positions in those kept blocks, which hold keys for a match but no request's token
     evicted: list[int] | None = None  # Part 4: kept blocks this step's new work took, keys dropped (None: no cache)
     block_tables: list[list[int]] = field(default_factory=list)  # each slot's blocks, as cached_free's (per slot: [s])
+    kv_used_after: int = 0  # kv_used once phase 7 has retired the step's finished requests: what the next step finds
 
 
 def step_report(step, step_start, belt, waiting, blocks, prompts, admitted, preempted, packed, n_prompt_tokens,
@@ -1018,7 +1022,8 @@ def step_report(step, step_start, belt, waiting, blocks, prompts, admitted, pree
         handed_over=[handover.run.request_index for handover in handovers],
         at_worker=[run.request_index for run in belt if run and run.request_index in prompts.holding],
         kv_bytes=sum(handover.kv_bytes for handover in handovers), kv_s=sum(handover.kv_s for handover in handovers),
-        preempted=preempted, block_tables=[list(run.block_table) if run else [] for run in belt])
+        preempted=preempted, block_tables=[list(run.block_table) if run else [] for run in belt],
+        kv_used_after=positions_in_use([run for run in belt if run and not run.completion], blocks.cache.kv.size(3)))
 
 
 def positions_in_use(belt, block_size):

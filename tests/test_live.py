@@ -126,6 +126,7 @@ def test_each_token_reaches_its_stream_in_the_step_that_samples_it(gpt, monkeypa
     def timed_stream(stream, *args):
         stream_init(stream, *args)
         stream.items = TimedItems(steps_ended)
+        stream.put = stream.items.put  # where the engine's thread hands each item (no on_item here)
 
     monkeypatch.setattr(Stream, "__init__", timed_stream)
     rng = random.Random(5)
@@ -591,7 +592,8 @@ def test_a_bad_request_raises_at_submit_and_the_others_go_on(gpt):
     good = Request([1, 2, 3], 5)
     bad = [(Request([], 4), "prompt"), (Request([V], 4), "prompt"), (Request([1] * MAX_LEN, 1), "no room"),
            (Request([1], 0), "max_new_tokens"), (Request([1], 4, temperature=-1.0), "temperature"),
-           ("hello", "must be a Request"), (Request([1] * 10, 20), "kv_blocks=1 cannot hold")]
+           ("hello", "must be a Request"), (Request([1] * 10, 20), "kv_blocks=1 cannot hold"),
+           (Request([1], 4, ignore_eos=1), "ignore_eos must be True or False")]
 
     def serve():
         with LiveRequests(gpt, n_slots=2, kv_blocks=1, kv_block_size=16, **LIVE) as live:
@@ -602,3 +604,24 @@ def test_a_bad_request_raises_at_submit_and_the_others_go_on(gpt):
             return list(stream)
 
     assert tokens_of(ends_within(TIMEOUT_S, serve)) == reference(gpt, [good])[0].tokens
+
+
+def test_on_item_takes_each_item_in_the_engine_thread(gpt):
+    """submit(request, on_item): each item goes to on_item instead of the Stream's queue, in order, called in the
+    engine's thread in the step that samples the token (an event loop's call_soon_threadsafe, in tools/serve.py);
+    the queue stays empty, and the tokens are the reference's. Two requests on one slot: the second waits its turn."""
+    requests = [Request([1, 2, 3], 4), Request([4, 5], 3, temperature=0.9, seed=7)]
+    got = [[], []]
+
+    def serve():
+        with LiveRequests(gpt, n_slots=1, **LIVE) as live:
+            streams = [live.submit(request, on_item=lambda item, n=n: got[n].append(
+                (item, threading.current_thread().name))) for n, request in enumerate(requests)]
+        return streams
+
+    streams = ends_within(TIMEOUT_S, serve)  # the with drains: every item was handed over
+    for n, (stream, want) in enumerate(zip(streams, reference(gpt, requests))):
+        items = [item for item, _ in got[n]]
+        assert {thread for _, thread in got[n]} == {ENGINE}, "on_item called outside the engine's thread"
+        assert items == [(token, None) for token in want.tokens[:-1]] + [(want.tokens[-1], "length")], n
+        assert stream.items.empty() and stream.completion.tokens == want.tokens

@@ -129,6 +129,29 @@ class Chromium:
           }})();
         }})""", timeout=WAIT_S + 5)  # the page's own timeout first, which says what it waited for
 
+    KEY_CODES = {"ArrowLeft": 37, "ArrowRight": 39, "End": 35, "Home": 36}  # Windows' virtual key codes, as CDP takes
+
+    def press(self, session, key):
+        """A real key press in the page, as the keyboard makes it (Chromium's input pipeline, not a script's event):
+        an arrow, End, Home, or a character (which types itself into the focused field)."""
+        code = self.KEY_CODES.get(key)
+        down = dict(key=key, windowsVirtualKeyCode=code, code=key) if code else dict(key=key, text=key)
+        self.send("Input.dispatchKeyEvent", session, type="keyDown" if code else "keyDown", **down)
+        self.send("Input.dispatchKeyEvent", session, type="keyUp", key=key, **({"windowsVirtualKeyCode": code}
+                                                                                 if code else {}))
+
+    def click(self, session, selector, at=0.5):
+        """A real mouse click (pressed, released) on the element, at the fraction `at` of its width."""
+        box = self.run(session, f"""(() => {{ const box = document.querySelector({json.dumps(selector)})
+          .getBoundingClientRect(); return [box.left + {at} * box.width, box.top + box.height / 2]; }})()""")
+        for kind in ("mousePressed", "mouseReleased"):
+            self.send("Input.dispatchMouseEvent", session, type=kind, x=box[0], y=box[1], button="left",
+                      clickCount=1)
+
+    def n_loads(self, session):  # the loads of the page so far
+        return sum(event["method"] == "Page.loadEventFired" and event.get("sessionId") == session
+                   for event in self.events)
+
     def errors(self):
         """What the pages threw, uncaught, and what they said as errors or warnings (the page's way with an error
         it recovers from: /steps read again)."""
@@ -242,8 +265,8 @@ def session():
     steps, sent = Steps(), {}
     submit = serve.Engine.submit
 
-    def recording_submit(engine, request):  # the prompts as the engine received them
-        stream = submit(engine, request)
+    def recording_submit(engine, request, *args):  # the prompts as the engine received them
+        stream = submit(engine, request, *args)
         sent[stream.request_index] = request.prompt
         return stream
 
@@ -253,11 +276,12 @@ def session():
         browser, engine, client = Chromium(chromium), None, None  # Chromium starts while the server loads
         try:
             engine = serve.start(serve.parse(["--quick", "--port", "0", "--slots", "2"]))
-            port = engine.httpd.server_address[1]
+            port = engine.address[1]
             page_text = get_page(port)
             pages = dict(zip(PROMPTS, browser.open(f"http://127.0.0.1:{port}/", len(PROMPTS))))
-            for page in pages.values():  # each page reads /steps before anything is sent
-                browser.until(page, 'document.querySelector("#following").dataset.connected === "1"')
+            idle = {name: browser.until(page, 'document.querySelector("#following").dataset.connected === "1" && '
+                                              'document.querySelector("#following").textContent')
+                    for name, page in pages.items()}  # each page reads /steps before anything is sent
             client_out = []
             client = threading.Thread(target=stream_from_a_client, args=(port, A_PROMPT, A_TOKENS, client_out),
                                       daemon=True)
@@ -275,7 +299,7 @@ def session():
                                           LOOK) for name, page in pages.items()}
             client.join(WAIT_S)
             yield dict(browser=browser, pages=pages, at_step_1=at_step_1, at_end=at_end, tokens=steps.tokens,
-                       sent=sent, client=client_out, page=page_text)
+                       sent=sent, client=client_out, page=page_text, idle=idle, port=port)
         finally:
             steps.run_free()
             browser.close()
@@ -293,7 +317,7 @@ def test_the_page_is_explore_html_fed_live(session):
                                 re.S)[1])
     assert session["page"] == explore.filled(data, serve.PAGE.read_text()), "GET / is not explore.html filled in"
     assert [(run["name"], run["n_slots"], run["steps"]) for run in data["runs"]] == [("live", 2, [])]
-    assert data["live"]["has_tokenizer"] is False and data["live"]["needs_api_key"] is False
+    assert data["live"]["has_tokenizer"] is False
     assert data["live"]["belt"]["left"] == belt_svg.LEFT and data["live"]["belt"]["width"] == belt_svg.SVG_WIDTH
 
 
@@ -360,3 +384,88 @@ def test_a_teacher_steps_back_and_follows_again(session):
     look = browser.run(page, LOOK)
     assert (look["shown"], look["frame"], look["following"]) == (6, 6, "1"), look
     assert not browser.errors(), browser.errors()
+
+
+def test_idle_the_page_says_it_is_connected_and_waits(session):
+    """Before any step, connected to /steps, each page says so: connected, waiting for the first step."""
+    assert set(session["idle"].values()) == {"live: connected, waiting for the first step"}, session["idle"]
+
+
+def test_typing_and_sending_never_pause_it(session):
+    """On B's page, following live: real clicks into the prompt box and on send, real keys typed there (an arrow
+    among them, which moves the cursor, not the step): the page still follows, and shows the newest step once the
+    request it sent has finished."""
+    browser, page = session["browser"], session["pages"]["B"]
+    browser.click(page, "#prompt")
+    for key in [" ", "x", "ArrowLeft", "y"]:
+        browser.press(page, key)
+    assert browser.run(page, 'document.querySelector("#prompt").value').endswith(" yx")
+    browser.click(page, "#send-button")
+    look = browser.until(page, look_once("look.cards.length === 2 && look.cards[0].status === 'finished' && "
+                                         "!live.isDrawPending && look.newest === DATA.runs[0].steps.at(-1).step"), LOOK)
+    assert look["newest"] > 6, "no step came after the send"
+    assert (look["following"], look["shown"], look["frame"]) == ("1", look["newest"], look["newest"]), look
+    assert browser.run(page, 'document.querySelector("#following").textContent') == f"live: step {look['newest']}"
+
+
+def test_back_pauses_and_the_label_counts_the_newest(session):
+    """On C's page: a real ← steps back a step and pauses; steps that come meanwhile (a client's request) leave the
+    step shown where it is, while the label and the slider count every step received; End follows live again; a
+    real click at the slider's left end goes to the first step kept, and pauses."""
+    browser, page = session["browser"], session["pages"]["C"]
+    before = browser.until(page, look_once("look.following === '1'"), LOOK)
+    browser.press(page, "ArrowLeft")
+    look = browser.run(page, LOOK)
+    assert (look["following"], look["shown"]) == ("0", before["newest"] - 1), look
+    out = []
+    stream_from_a_client(session["port"], [5, 6], 4, out)  # four more steps, at least
+    look = browser.until(page, look_once(f"look.newest >= {before['newest'] + 4}"), LOOK)
+    n_steps = browser.run(page, "DATA.runs[0].steps.length")
+    assert (look["following"], look["shown"]) == ("0", before["newest"] - 1), "the page moved while paused"
+    label = browser.run(page, 'document.querySelector("#step-count").textContent')
+    assert f"of {n_steps} steps" in label and browser.run(page, "+document.querySelector('#slider').max") == \
+        n_steps - 1, label
+    assert "paused (the newest: step" in browser.run(page, 'document.querySelector("#following").textContent')
+    browser.press(page, "End")
+    look = browser.run(page, LOOK)
+    assert (look["following"], look["shown"]) == ("1", look["newest"]), look
+    browser.click(page, "#slider", at=0.0)
+    look = browser.run(page, LOOK)
+    assert (look["following"], look["shown"]) == ("0", 0), look
+    browser.press(page, "End")
+    assert not browser.errors(), browser.errors()
+
+
+def test_with_an_api_key_the_page_asks_for_it_once(session, tmp_path):
+    """A server with --api-key: its page asks for the key; typed (real keys) and sent (a real click), the live page
+    opens, connected to /steps, and a prompt sent from it is answered, the browser's cookie standing for the key; a
+    second page of the same browser asks nothing. The screenshot of the page, for a person to look at, is taken."""
+    browser = session["browser"]
+    engine = serve.start(serve.parse(["--quick", "--port", "0", "--slots", "2", "--api-key", "sesame"]))
+    try:
+        url = f"http://127.0.0.1:{engine.address[1]}/"
+        [page] = browser.open(url, 1)
+        assert browser.run(page, "!!document.querySelector('#key') && typeof DATA === 'undefined'"), "no key asked"
+        browser.click(page, "#key")
+        for key in "wrong":
+            browser.press(page, key)
+        browser.click(page, "button")
+        assert browser.until(page, "document.querySelector('#said').textContent") == "wrong key"
+        browser.run(page, "document.querySelector('#key').value = ''")
+        browser.click(page, "#key")
+        for key in "sesame":
+            browser.press(page, key)
+        n_loads, deadline = browser.n_loads(page), time.monotonic() + WAIT_S
+        browser.click(page, "button")
+        while browser.n_loads(page) == n_loads:  # the page reloads, the cookie its key
+            browser.read(deadline)
+        browser.until(page, 'document.querySelector("#following")?.dataset.connected === "1"')
+        browser.click(page, "#send-button")
+        browser.until(page, look_once("look.cards.length === 1 && look.cards[0].status === 'finished'"), LOOK)
+        [second] = browser.open(url, 1)
+        browser.until(second, 'document.querySelector("#following")?.dataset.connected === "1"')
+        shot = browser.send("Page.captureScreenshot", page)["data"]
+        (tmp_path / "live.png").write_bytes(__import__("base64").b64decode(shot))
+        assert not browser.errors(), browser.errors()
+    finally:
+        serve.stop(engine)

@@ -49,7 +49,7 @@ def server():
 
 
 def url(server):
-    return f"http://127.0.0.1:{server.httpd.server_address[1]}/"
+    return f"http://127.0.0.1:{server.address[1]}/"
 
 
 def run_tool(server, tmp_path, *options):
@@ -68,7 +68,13 @@ def measured(server, tmp_path_factory):
     before = metrics(server)
     results, printed, written = run_tool(server, tmp_path_factory.mktemp("load"), "--rate", str(RATE),
                                          "--requests", str(N_REQUESTS))
-    after = metrics(server)
+    # A request's last token reaches its client in phase 5 of its step, and /metrics counts it in phase 6: a moment
+    # later, a busy machine's moment longer. Read once every request of the run is counted (or the wait runs out).
+    ended = [f"nanobatch:request_success_total|{reason}" for reason in ("stop", "length", "abort")]
+    deadline = time.perf_counter() + TIMEOUT_S
+    while sum((after := metrics(server))[name] - before[name] for name in ended) < N_REQUESTS and \
+            time.perf_counter() < deadline:
+        time.sleep(0.01)
     [(rate, figures, replies)] = results
     assert rate == RATE
     return figures, replies, printed, written, {name: after[name] - before[name] for name in after}
@@ -109,14 +115,14 @@ def test_the_counts_are_what_the_server_did(measured):
 
 
 def test_each_time_is_at_least_the_steps_it_spans(measured):
-    """A first token needs a step; a request's n tokens come in n steps, so its E2E is at least n steps and its
-    ITLs add up to at least n - 1 (one alone may be shorter: a chunk held up on its way, the next one not);
-    TTFT + the ITLs is the E2E, as vLLM adds them; and the median ITL, a step, is at least the floor."""
+    """A first token needs a step; a request's n tokens come in n steps, so its E2E is at least n steps. Its ITLs
+    add up to n - 1 steps less what held its first chunk up on its way (a busy machine holds one up for a few ms,
+    and that lengthens its TTFT as much): so the E2E, TTFT + the ITLs as vLLM adds them, carries the bound. And
+    the median ITL, a step, is at least the floor."""
     figures, replies, _, _, _ = measured
     for reply in replies:
         n = reply.output_tokens
         assert reply.ttft_s >= FLOOR_S and reply.e2el_s >= n * FLOOR_S, reply
-        assert sum(reply.itl_s) >= (n - 1) * FLOOR_S, reply
         assert reply.ttft_s + sum(reply.itl_s) == pytest.approx(reply.e2el_s, abs=1e-9)
     assert figures["itl"]["P50"] >= FLOOR_S
     assert figures["duration (s)"] >= max(reply.sent_s + reply.e2el_s for reply in replies)

@@ -1,134 +1,155 @@
 """
-nanobatch served live: an OpenAI-compatible server on Python's standard library, the belt behind it.
+nanobatch served live: an OpenAI-compatible server on uvicorn and FastAPI, as vLLM's is, the belt behind it.
 
     python tools/serve.py --quick                 a tiny random GPT-2, in seconds, on http://127.0.0.1:8000/
-    python tools/serve.py --kv-blocks 512 --prefix-cache --host 0.0.0.0      GPT-2 124M, for a class
-    curl -N localhost:8000/v1/completions -H 'Content-Type: application/json' \\
-         -d '{"prompt": "The capital of France is", "max_tokens": 16, "stream": true}'
+    python tools/serve.py --kv-blocks 512 --prefix-cache --host 0.0.0.0 --api-key KEY     GPT-2 124M, for a class
 
-One engine thread runs nanobatch's loop (Part 5: LiveRequests); an HTTP thread per client only submits, reads
-and cancels, so the loop never waits on a client. A client that goes away cancels its request, which leaves
-the belt at the next step. Endpoints, named as vLLM's: POST /v1/completions, GET /v1/models, /health, /metrics
-(Prometheus), /steps (each engine step, as server-sent events) and / (the live belt, a page). Every error is
-OpenAI's shape, {"error": {"message", "type", "param", "code"}}. docs/api.md lists every field. On a machine
-that also runs the clients (a load tool, a class's browsers), start it with OMP_NUM_THREADS=1: torch's idle
-threads spin beside the HTTP threads (docs/labs.md, Lab 12: at 8 requests a second on 2 cores, a --quick step
-3.3 ms with it, 3.5 to 99.9 ms in three runs without).
+Two actors, a thread each: the engine's runs nanobatch's loop (Part 5: LiveRequests) and never waits on a client;
+uvicorn's event loop serves every connection (HTTP parsed by h11, each request checked by pydantic). Between them,
+a queue per request, fed from the engine's thread with loop.call_soon_threadsafe(queue.put_nowait, item), as vLLM's
+AsyncLLM feeds a request's output collector. docs/api.md has every endpoint and field. On a machine that also runs
+the clients, start it with OMP_NUM_THREADS=1: torch's idle threads would spin beside them (docs/labs.md, Lab 12).
 """
 import argparse
+import asyncio
 import codecs
+import contextlib
 import json
-import math
-import queue
-import select
+import logging
+import reprlib
+import resource
+import secrets
 import signal
 import socket
 import sys
 import threading
 import time
 import uuid
-from types import SimpleNamespace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import replace
 from pathlib import Path
+
+import fastapi
+import prometheus_client
+import torch
+import uvicorn
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+from starlette.exceptions import HTTPException
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanobatch.py and model.py
 import explore  # noqa: E402 (tools/: the live page draws each step as the recorded page does)
 from belt_svg import AXIS_H, GAP, LEFT, RIGHT, STRIP_H, SVG_WIDTH, TITLE_H  # noqa: E402
 import nanobatch  # noqa: E402
-from nanobatch import EOT, SEED_RANGE, LiveRequests, Request, is_int, letter  # noqa: E402
+from nanobatch import EOT, SEED_RANGE, LiveRequests, Request  # noqa: E402
 
 MAX_BODY = 1_000_000  # bytes of a request's body, at most (413 past it)
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the completions API
 # OpenAI's fields that nanobatch does not do, each with the values that mean "not asked for".
-UNSUPPORTED = {"n": (1,), "best_of": (1,), "logprobs": (), "echo": (False,), "stop": ("", []), "suffix": ("",),
-               "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},)}
+UNSUPPORTED = {"n": (1,), "best_of": (None, 1), "echo": (False,), "stop": (None, "", []), "suffix": (None, ""),
+               "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (None, 1),
+               "top_p": (None, 1), "logit_bias": (None, {})}
 FINISH_REASONS = {"eos": "stop", "length": "length", "context": "length", "abort": "abort"}  # nanobatch -> OpenAI
-POLL_S = 0.05  # how often a handler waiting for tokens looks whether its client has gone
 PAGE = Path(__file__).resolve().parent / "serve.html"  # the live part of the page at GET /, in explore.html
-# A mask's bits in a /steps event, at most: past it (a long prompt's chunk: T x L), the page draws no grid and the
-# engine's thread makes none. Measured on GPT-2 124M's shape, four prompts of 400-900 tokens in one step: their
-# bits cost the engine's thread 110 ms and 2.9 MB an event (and the page millions of cells); capped, 11 ms, 0.3 MB
+# A mask's bits in a /steps event, at most (past it, no grid is made or drawn). Measured on GPT-2 124M's shape, four
+# prompts of 400-900 tokens in a step: their bits cost the engine's thread 110 ms, 2.9 MB an event; capped, 11 ms
 MAX_MASK_CELLS = 2 ** 15
+MAX_BEHIND = 10_000  # /steps events a client may leave unread; past them it misses steps (the engine never waits)
+GRACE_S = 2  # seconds a stop lets the replies in flight end (each aborted) before it cuts them
+KEY_COOKIE = "nanobatch-key"  # the page's proof that its browser gave the API key (never the key itself)
+prometheus_client.disable_created_metrics()  # no "_created" twin beside each counter: /metrics shows what counts
 
 
 # ---------------------------------------------------------------------------------------------
-# The protocol: what a completion request may hold, and what the replies look like
+# The protocol: what a completion request may hold (a pydantic model), the errors, the replies' parts
 
 
 class ApiError(Exception):
     """An error reply: its HTTP status and OpenAI's error object."""
 
     def __init__(self, status, message, param=None, code=None, kind="invalid_request_error"):
-        super().__init__(message)
         self.status, self.body = status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
-
-def bad(message, param=None, code="invalid_value"):
-    return ApiError(400, message, param, code)
-
-
-def parse_completion(body, model_name, vocab_size, max_len, tokenizer):
-    """A POST /v1/completions body -> (Request, stream, include_usage, return_token_ids), or an ApiError
-    that names the field at fault."""
-    if not isinstance(body, dict):
-        raise bad(f"the body must be a JSON object, got {type(body).__name__}")
-    if body.get("model") is not None and body["model"] != model_name:
-        raise ApiError(404, f"The model `{body['model']}` does not exist: this server serves `{model_name}`.",
-                       "model", "model_not_found")
-    for name, defaults in UNSUPPORTED.items():
-        if body.get(name) is not None and body[name] not in defaults:
-            raise bad(f"{name}={json.dumps(body[name])} is not supported by nanobatch (leave it out)", name,
-                      "unsupported_parameter")
-    prompt = prompt_tokens(body.get("prompt"), vocab_size, tokenizer)
-    max_tokens = body.get("max_tokens")
-    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    if not is_int(max_tokens) or max_tokens < 1:
-        raise bad(f"max_tokens must be an integer >= 1, got {json.dumps(max_tokens)}", "max_tokens")
-    if len(prompt) + max_tokens > max_len:  # vLLM's words for it
-        raise bad(f"This model's maximum context length is {max_len} tokens. However, you requested "
-                  f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} in the completion). "
-                  f"Please reduce the length of the prompt or completion.", "max_tokens")
-    temperature = body.get("temperature")
-    temperature = 1.0 if temperature is None else temperature  # OpenAI's default
-    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and
-            0 <= temperature < math.inf):
-        raise bad(f"temperature must be a number >= 0, got {json.dumps(temperature)}", "temperature")
-    top_k = body.get("top_k")
-    if top_k is not None and not (is_int(top_k) and top_k >= -1):
-        raise bad(f"top_k must be an integer >= 1 (0 or -1: all tokens), got {json.dumps(top_k)}", "top_k")
-    seed = body.get("seed")
-    if seed is not None and not (is_int(seed) and SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
-        raise bad(f"seed must be an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {json.dumps(seed)}", "seed")
-    stream, options, return_ids = body.get("stream") or False, body.get("stream_options"), body.get("return_token_ids")
-    for name, value in (("stream", stream), ("return_token_ids", return_ids or False)):
-        if not isinstance(value, bool):
-            raise bad(f"{name} must be true or false, got {json.dumps(value)}", name)
-    if options is not None and not (stream and isinstance(options, dict) and
-                                    isinstance(options.get("include_usage", False), bool)):
-        raise bad("stream_options must be an object such as {\"include_usage\": true}, and only with stream=true",
-                  "stream_options")
-    request = Request(prompt, max_tokens, float(temperature), top_k if top_k and top_k > 0 else None, seed)
-    return request, stream, bool(options and options.get("include_usage")), bool(return_ids)
+    def response(self, headers=None):
+        return JSONResponse(self.body, self.status, headers)
 
 
-def prompt_tokens(prompt, vocab_size, tokenizer):
-    """A prompt as token ids: a string (encoded with GPT-2's tokenizer), or a list of ids."""
-    if isinstance(prompt, str) and prompt:
-        if tokenizer is None:
-            raise bad("this server has no tokenizer (tiktoken's GPT-2 files could not be had offline): send the "
-                      "prompt as a list of token ids", "prompt", "tokenizer_unavailable")
-        return tokenizer.encode(prompt, allowed_special="all")  # "<|endoftext|>" is GPT-2's EOS, as in training
-    if isinstance(prompt, list) and prompt and all(is_int(token) for token in prompt):
-        outside = [token for token in prompt if not 0 <= token < vocab_size]
-        if outside:
-            raise bad(f"prompt has token id {outside[0]}, outside the vocabulary 0..{vocab_size - 1}", "prompt")
-        return [int(token) for token in prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
-        raise bad("prompt holds several prompts: send one prompt per request", "prompt")
-    if prompt is None or prompt == "" or prompt == []:
-        raise bad("prompt is missing or empty: give a string, or a list of token ids", "prompt",
-                  "missing_required_parameter")
-    raise bad(f"prompt must be a string or a list of token ids, got {json.dumps(prompt)[:80]}", "prompt")
+class CompletionRequest(BaseModel):
+    """POST /v1/completions' body as vLLM's CompletionRequest has it: OpenAI's fields, and vLLM's top_k, ignore_eos
+    and return_token_ids. Strict ("stream": 0 and "n": 1.0 are refused); null is a field's default; other fields
+    are ignored, as vLLM ignores them. What only the engine knows (the vocabulary, the cache) it checks at submit."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    prompt: str | list[int]  # a text (GPT-2's tokenizer), or its token ids
+    model: str | None = None
+    max_tokens: int = Field(16, ge=1)  # 16: OpenAI's default
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)  # OpenAI's default; 0 is greedy
+    top_k: int | None = Field(None, ge=-1)  # 0 or -1: every token, as vLLM takes them (the engine's None)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])  # None: the server's --seed + request index
+    ignore_eos: bool = False  # on through EOS to max_tokens, as vLLM's (and its benchmark's)
+    logprobs: int | None = Field(None, ge=0, le=20)  # the sampled token's and the top k: 20 as vLLM's --max-logprobs
+    stream: bool = False
+    stream_options: dict[str, bool] | None = None  # {"include_usage": true}: the usage as a last chunk
+    return_token_ids: bool = False  # vLLM's: token_ids in each choice (offline, always: the text is empty)
+    n: int = 1
+    best_of: int | None = None
+    echo: bool = False
+    stop: str | list[str] | None = None
+    suffix: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    top_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("max_tokens", "temperature", "stream", "return_token_ids", "echo", "n", "presence_penalty",
+                     "frequency_penalty", mode="before")
+    @classmethod
+    def null_is_default(cls, value, info):  # as OpenAI reads a null
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def one_prompt(cls, prompt):
+        if prompt in (None, "", []):
+            raise PydanticCustomError("empty", "prompt is missing or empty: give a string, or a list of token ids")
+        if isinstance(prompt, list) and all(isinstance(item, (str, list)) for item in prompt):
+            raise PydanticCustomError("several", "prompt holds several prompts: send one prompt per request")
+        if not (isinstance(prompt, str) or isinstance(prompt, list) and all(type(t) is int for t in prompt)):
+            raise PydanticCustomError("prompt", "prompt must be a string or a list of token ids (integers)")
+        return prompt
+
+    @field_validator(*UNSUPPORTED)
+    @classmethod
+    def left_out(cls, value, info):
+        if value not in UNSUPPORTED[info.field_name]:
+            raise PydanticCustomError("unsupported_parameter", f"{info.field_name}={json.dumps(value)[:80]} is "
+                                      f"not supported by nanobatch (leave it out)")
+        return value
+
+
+async def error_reply(http, error):
+    """Every error in OpenAI's shape: ours (an ApiError); pydantic's first complaint about a body, naming its field
+    (param: a top-level field); starlette's (no such path or method, a body that Python's json cannot parse)."""
+    if isinstance(error, HTTPException):
+        path, allowed = http.url.path, (error.headers or {}).get("Allow")
+        message, code = {404: (f"no such path: {path}", "not_found"), 405: (f"{path} takes {allowed}, not "
+                                                                            f"{http.method}", "method_not_allowed")
+                         }.get(error.status_code, (f"the body is not valid JSON: {error.__cause__!r}", "invalid_json"))
+        error = ApiError(error.status_code, message, code=code)
+    elif not isinstance(error, ApiError):
+        first = error.errors()[0]
+        kind, where = first["type"], first["loc"][1:]  # loc: ("body", field, ...), or ("body", a place in the JSON)
+        param = where[0] if where and isinstance(where[0], str) else None
+        if kind == "json_invalid":
+            message = f"the body is not valid JSON: {first['ctx']['error']}"
+        elif kind in ("empty", "several", "prompt", "unsupported_parameter"):  # ours: whole sentences already
+            message = first["msg"]
+        else:
+            message = f"{param or 'the body'}: {first['msg']}, got {reprlib.repr(first['input'])}"
+        codes = {"empty": "missing_required_parameter", "missing": "missing_required_parameter",
+                 "unsupported_parameter": "unsupported_parameter", "json_invalid": "invalid_json"}
+        error = ApiError(400, message, param, codes.get(kind, "invalid_value"))
+    return error.response()
 
 
 class Detokenizer:
@@ -138,24 +159,35 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer, self.utf8 = tokenizer, codecs.getincrementaldecoder("utf-8")("replace")
 
-    def text(self, token, is_last):
-        """The text that token completes (token None: none)."""
+    def text(self, token, is_last):  # the text that token completes (token None: none)
         if self.tokenizer is None:  # offline: the answer is its token_ids only
             return ""
         data = b"" if token is None or token == EOT else self.tokenizer.decode_single_token_bytes(token)
         return self.utf8.decode(data, final=is_last)
 
+    def name(self, token):  # a token alone, as logprobs names it (vLLM's way): its text, or offline token_id:ID
+        return f"token_id:{token}" if self.tokenizer is None else self.tokenizer.decode([token])
+
+
+def logprobs_json(detokenizer, pieces, k, first_offset=0):
+    """OpenAI's logprobs object of the completions API, in vLLM's shape: each token's name, its logprob, the top k
+    (the sampled token first), and where each token's text begins. pieces: (token, log_softmax of its row (V,))."""
+    names = [detokenizer.name(token) for token, _ in pieces]
+    chosen = [max(logprobs[token].item(), -9999.0) for token, logprobs in pieces]  # vLLM's floor: JSON has no -inf
+    tops = [logprobs.topk(k) for _, logprobs in pieces]  # each (k,) values, (k,) token ids
+    return {"text_offset": [first_offset + sum(map(len, names[:n])) for n in range(len(names))],
+            "token_logprobs": chosen, "tokens": names,
+            "top_logprobs": [{name: logprob, **{detokenizer.name(i): max(v, -9999.0) for i, v in zip(
+                top.indices.tolist(), top.values.tolist())}} for name, logprob, top in zip(names, chosen, tops)]}
+
 
 def step_event(report, name, requests, tokenizer):
-    """A StepReport as the /steps event. Its figures name each request by name(request index), its completion
-    id, as a client of the API knows it. `explore` is the same step as tools/explore.py records one (its rows,
-    masks and cache; requests by index), and `requests` each request the step names, {index: its letter,
-    colour, prompt length and completion id}: the live page (GET /) draws a live step with explore.html's own
-    render, as it draws a recorded one."""
+    """A StepReport as the /steps event, each request named by name(request index): its completion id. `explore`:
+    the step as explore.py records it, for the live page; `requests`: {index: letter, colour, prompt length, id}."""
     return {
         "step": report.step, "belt": report.belt, "n_slots": len(report.belt),
         "occupants": [None if i is None else name(i) for i in report.occupants],
-        "letters": {name(i): letter(i) for i in report.occupants if i is not None},
+        "letters": {name(i): nanobatch.letter(i) for i in report.occupants if i is not None},
         "admitted": [name(i) for i in report.admitted], "sampled": [name(i) for i in report.sampled],
         "finished": [name(i) for i, _ in report.finished],
         "finish_reasons": {name(i): FINISH_REASONS[c.finish_reason] for i, c in report.finished},
@@ -166,48 +198,80 @@ def step_event(report, name, requests, tokenizer):
         "requests": requests}
 
 
-def named(report):
-    """The request indices a StepReport names: in a slot, waiting, or finished (a cancelled one may be neither)."""
-    return {i for i in report.occupants if i is not None} | set(report.waiting) | {i for i, _ in report.finished}
+def usage(request, n_completion):  # OpenAI's usage object
+    return {"prompt_tokens": len(request.prompt), "completion_tokens": n_completion,
+            "total_tokens": len(request.prompt) + n_completion}
 
 
-def usage(n_prompt, n_completion):
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+def event(body):  # one server-sent event: a JSON body, or [DONE]
+    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
 
 
 # ---------------------------------------------------------------------------------------------
-# The engine and what it tells: the live belt, the metrics, and each step for /steps
+# The engine and what it tells: the live belt, the metrics, the logprobs, and each step for /steps
 
 
 class Engine:
-    """The engine thread (a LiveRequests) and what the HTTP threads read of it. Each step's report arrives
-    in on_step, in the engine's thread: it is turned into the /steps event and the metrics, never waited on."""
+    """The engine's thread (a LiveRequests), and what the event loop reads of it, which on_step makes each step."""
 
     def __init__(self, model, tokenizer, model_name, args):
         self.model, self.tokenizer, self.model_name, self.max_len = model, tokenizer, model_name, args.max_len
-        self.max_waiting, self.api_key = args.max_waiting, args.api_key
+        self.max_waiting, self.api_key, self.seed = args.max_waiting, args.api_key, args.seed
         self.live = LiveRequests(model, n_slots=args.slots, max_len=args.max_len, eos_id=EOT, policy=args.policy,
                                  prefill_chunk=args.prefill_chunk, kv_blocks=args.kv_blocks,
                                  kv_block_size=args.kv_block_size, prefix_cache=args.prefix_cache,
                                  on_step=self.on_step)
         self.boot = uuid.uuid4().hex[:12]  # completion ids are this server's own: cmpl-BOOT-INDEX
-        self.lock = threading.Lock()  # guards everything below, written by HTTP threads and the engine's
+        self.cookie = secrets.token_urlsafe(32)  # what a browser that gave the key holds instead (Door)
+        self.lock = threading.Lock()  # guards the next five, written by the event loop's thread and the engine's
         self.prompt_lengths = {}  # request index -> prompt tokens, until its first token is counted
         self.queued = set()  # request indices submitted and not in a slot: the queue --max-waiting limits
-        self.running, self.kv_usage, self.is_stopping = 0, 0.0, False
-        self.block_size = args.kv_block_size if args.kv_blocks else args.max_len  # positions in a block of the cache
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_preemptions": 0}
-        self.finished = dict.fromkeys(("stop", "length", "abort"), 0)  # request_success_total by finished_reason
-        self.watchers = []  # a queue per /steps client: each step's event, as JSON
+        self.logprobs_to = {}  # request index -> where its logprobs go, for the requests that asked for them
         self.shown = {}  # request index -> the page's data of it (letter, colour, prompt length, id), in flight
-        self.n_replying = 0  # completions whose handler has not ended its reply: stop lets them end it
-        self.all_replied = threading.Condition(self.lock)
+        self.is_stopping = False
+        self.watchers, self.loop = [], None  # an asyncio queue per /steps client, and their event loop
+        self.registry = CollectorRegistry()  # this server's own, not the process's: a test starts several
+        kinds = {"num_requests_running": (Gauge, "Requests in a slot of the belt."),
+                 "num_requests_waiting": (Gauge, "Requests waiting for a slot."),
+                 "kv_cache_usage_perc": (Gauge, "KV-cache usage: the share of its positions holding a request's "
+                                                "keys (1 means 100 percent)."),
+                 "prompt_tokens": (Counter, "Prompt tokens of requests that made their first token."),
+                 "generation_tokens": (Counter, "Tokens generated."),
+                 "num_preemptions": (Counter, "Requests preempted (paged).")}  # vLLM's names, vllm: -> nanobatch:
+        self.metrics = {name: kind(f"nanobatch:{name}", meaning, ["model_name"], registry=self.registry)
+                        .labels(model_name) for name, (kind, meaning) in kinds.items()}
+        self.metrics["num_requests_waiting"].set_function(lambda: len(self.queued))
+        success = Counter("nanobatch:request_success", "Requests finished, by finish reason.",
+                          ["model_name", "finished_reason"], registry=self.registry)
+        self.finished = {reason: success.labels(model_name, reason) for reason in ("stop", "length", "abort")}
 
     def completion_id(self, request_index):
         return f"cmpl-{self.boot}-{request_index}"
 
-    def submit(self, request):
-        """request onto the belt's queue -> its Stream, or an ApiError: shutting down, or the queue full."""
+    def request_of(self, body):
+        """A CompletionRequest -> the engine's Request; or an ApiError: another model's name, a text prompt
+        offline, stream_options without a stream, or a prompt and max_tokens longer than --max-len together."""
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"The model `{body.model}` does not exist: this server serves `{self.model_name}`.",
+                           "model", "model_not_found")
+        if isinstance(body.prompt, str) and self.tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer (tiktoken's GPT-2 files could not be had offline): "
+                                "send the prompt as a list of token ids", "prompt", "tokenizer_unavailable")
+        if body.stream_options is not None and not body.stream:
+            raise ApiError(400, "stream_options applies to a stream only: give stream=true", "stream_options")
+        prompt = body.prompt if isinstance(body.prompt, list) else \
+            self.tokenizer.encode(body.prompt, allowed_special="all")  # "<|endoftext|>" is GPT-2's EOS, as in training
+        if len(prompt) + body.max_tokens > self.max_len:  # refused as vLLM refuses it, in its words
+            raise ApiError(400, f"This model's maximum context length is {self.max_len} tokens. However, you "
+                                f"requested {len(prompt) + body.max_tokens} tokens ({len(prompt)} in the prompt, "
+                                f"{body.max_tokens} in the completion). Please reduce the length of the prompt or "
+                                f"completion.", "max_tokens", "invalid_value")
+        top_k = body.top_k if body.top_k is not None and body.top_k > 0 else None  # vLLM's -1 (or 0): every token
+        return Request(prompt, body.max_tokens, body.temperature, top_k, body.seed, ignore_eos=body.ignore_eos)
+
+    def submit(self, request, put, wants_logprobs):
+        """request onto the belt's queue, its items handed to put in the engine's thread -> its Stream; or an ApiError:
+        shutting down, the queue full, or what the engine refuses (an id outside the vocabulary, too small a pool)."""
         with self.lock:  # the engine's on_step waits, so that it meets this request's bookkeeping whole
             if self.is_stopping or self.live.error:
                 raise ApiError(503, "the server is shutting down" if self.is_stopping else
@@ -215,344 +279,250 @@ class Engine:
             if self.max_waiting is not None and len(self.queued) >= self.max_waiting:
                 raise ApiError(429, f"{len(self.queued)} requests wait for a slot already (--max-waiting "
                                f"{self.max_waiting}): try again later", code="rate_limit_exceeded", kind="requests")
+            if request.seed is None:  # --seed's promise: the server's request i samples with seed + i
+                request = replace(request, seed=(self.seed + self.live.n_submitted) % 2 ** 64)
             try:
-                stream = self.live.submit(request)
-            except ValueError as e:  # what the engine refuses: a pool too small for it, say
-                raise bad(str(e), "prompt") from None
-            self.queued.add(stream.request_index)
-            self.prompt_lengths[stream.request_index] = len(request.prompt)
-            self.n_replying += 1  # until its handler calls replied()
-            self.shown[stream.request_index] = dict(explore.request_data(stream.request_index, request),
-                                                    id=self.completion_id(stream.request_index))
+                stream = self.live.submit(request, on_item=put)
+            except ValueError as e:
+                raise ApiError(400, str(e), "prompt", "invalid_value") from None
+            i = stream.request_index
+            self.queued.add(i)
+            self.prompt_lengths[i] = len(request.prompt)
+            self.shown[i] = dict(explore.request_data(i, request), id=self.completion_id(i))
+            if wants_logprobs:
+                self.logprobs_to[i] = put
         return stream
 
     def on_step(self, report):
-        """One engine step: the metrics, then its event for every /steps client (in the engine's thread)."""
-        ids = self.completion_id
+        """One engine step, in the engine's thread: the metrics, the logprobs asked for, the /steps event."""
+        metrics, leaving = self.metrics, {i for i, _ in report.finished}
         with self.lock:
-            requests = {i: self.shown[i] for i in named(report)}  # each /steps event says who it names
+            named = {i for i in report.occupants if i is not None} | {*report.waiting, *leaving}  # a cancel: leaving
+            requests = {i: self.shown[i] for i in named}  # each /steps event says who it names
             for i in report.sampled:  # vLLM counts a prompt's tokens when its first token comes
-                self.counters["prompt_tokens"] += self.prompt_lengths.pop(i, 0)
-            self.counters["generation_tokens"] += len(report.sampled)
-            self.counters["num_preemptions"] += len(report.preempted)
+                metrics["prompt_tokens"].inc(self.prompt_lengths.pop(i, 0))
+            metrics["generation_tokens"].inc(len(report.sampled))
+            metrics["num_preemptions"].inc(len(report.preempted))
             for i, completion in report.finished:
-                self.finished[FINISH_REASONS[completion.finish_reason]] += 1
+                self.finished[FINISH_REASONS[completion.finish_reason]].inc()
                 self.prompt_lengths.pop(i, None)  # cancelled before its first token
                 del self.shown[i]
-            self.queued -= {*report.admitted, *(i for i, _ in report.finished)}
+            self.queued -= {*report.admitted, *leaving}
             self.queued |= set(report.preempted)
-            # The belt as the step leaves it, once its finished requests have retired (phase 7): what is held now.
-            leaving = {i for i, _ in report.finished}
-            staying = [SimpleNamespace(n_cached=n, block_table=table) for i, n, table in zip(
-                report.occupants, report.n_cached, report.block_tables) if i is not None and i not in leaving]
-            self.running = len(staying)
-            self.kv_usage = nanobatch.positions_in_use(staying, self.block_size) / report.kv_total
-            watchers = list(self.watchers)
-        if not watchers:  # no one reads /steps: no event made, the engine pays for it only while it is read
-            return
-        event = json.dumps(step_event(report, ids, requests, self.tokenizer))
-        for watcher in watchers:
-            try:
-                watcher.put_nowait(event)
-            except queue.Full:  # a client that reads no more: it is dropped, the engine never waits
-                self.unwatch(watcher)
+            # The belt as the next step finds it, once phase 7 has retired the step's finished requests.
+            metrics["num_requests_running"].set(sum(i is not None and i not in leaving for i in report.occupants))
+            metrics["kv_cache_usage_perc"].set(report.kv_used_after / report.kv_total)
+            wanted = [(row, self.logprobs_to[i]) for row, i in enumerate(report.sampled) if i in self.logprobs_to]
+            for i in leaving:
+                self.logprobs_to.pop(i, None)
+        if wanted:  # from the very logits the step sampled from: raw (before temperature and top-k), as vLLM's
+            rows = report.logits[[row for row, _ in wanted]]  # (R', V)
+            logprobs = torch.log_softmax(rows.to(torch.promote_types(rows.dtype, torch.float32)), dim=-1)
+            for row, (_, put) in zip(logprobs, wanted):  # after the row's token: phase 6 follows phase 5
+                put(row)
+        if self.watchers:  # no one reads /steps: no event made, the engine pays for it only while it is read
+            data = event(step_event(report, self.completion_id, requests, self.tokenizer))
+            for watcher in [watcher for watcher in self.watchers if watcher.qsize() < MAX_BEHIND]:
+                self.loop.call_soon_threadsafe(watcher.put_nowait, data)
 
-    def watch(self):  # a new /steps client's queue
-        watcher = queue.Queue(maxsize=10_000)
-        with self.lock:
-            self.watchers.append(watcher)
-        return watcher
+    async def steps(self):
+        """/steps: each step's event, until the client goes or the server stops (None comes)."""
+        self.loop, watcher = asyncio.get_running_loop(), asyncio.Queue()
+        self.watchers.append(watcher)
+        try:
+            while (step := await watcher.get()) is not None:
+                yield step
+        finally:
+            self.watchers.remove(watcher)
 
-    def unwatch(self, watcher):
-        with self.lock:
-            if watcher in self.watchers:
-                self.watchers.remove(watcher)
 
-    def metrics(self):
-        """Prometheus' text format, the names vLLM gives them (vllm: -> nanobatch:)."""
-        label = f'model_name="{self.model_name}"'
-        with self.lock:
-            gauges = {"num_requests_running": (self.running, "Requests in a slot of the belt."),
-                      "num_requests_waiting": (len(self.queued), "Requests waiting for a slot."),
-                      "kv_cache_usage_perc": (self.kv_usage, "KV-cache usage: the share of its positions holding a "
-                                                             "request's keys (1 means 100 percent).")}
-            counters = dict(self.counters)
-            finished = dict(self.finished)
-        lines = []
-        for name, (value, meaning) in gauges.items():
-            lines += [f"# HELP nanobatch:{name} {meaning}", f"# TYPE nanobatch:{name} gauge",
-                      f"nanobatch:{name}{{{label}}} {value}"]
-        meanings = {"prompt_tokens": "Prompt tokens of requests that made their first token.",
-                    "generation_tokens": "Tokens generated.", "num_preemptions": "Requests preempted (paged)."}
-        for name, value in counters.items():
-            lines += [f"# HELP nanobatch:{name}_total {meanings[name]}", f"# TYPE nanobatch:{name}_total counter",
-                      f"nanobatch:{name}_total{{{label}}} {value}"]
-        lines += ["# HELP nanobatch:request_success_total Requests finished, by finish reason.",
-                  "# TYPE nanobatch:request_success_total counter"]
-        lines += [f'nanobatch:request_success_total{{{label},finished_reason="{reason}"}} {n}'
-                  for reason, n in finished.items()]
-        return "\n".join(lines) + "\n"
+class Answer:
+    """A request on the belt, as the event loop sees it: the engine's thread hands each item over onto an asyncio
+    queue of its own (call_soon_threadsafe): (token, finish_reason) from its Stream (Part 5's on_item), the token's
+    logprobs (if asked) from on_step, or the engine's error. A task beside the handler awaits the client's
+    http.disconnect (vLLM's with_cancellation) and cancels the request, which leaves the belt at the next step."""
 
-    def replied(self):
-        """A completion's handler has ended its reply (or given up on its client)."""
-        with self.lock:
-            self.n_replying -= 1
-            self.all_replied.notify_all()
+    def __init__(self, engine, request, wants_logprobs, http):
+        loop, self.items, self.wants_logprobs = asyncio.get_running_loop(), asyncio.Queue(), wants_logprobs
+        self.stream = engine.submit(request, lambda item: loop.call_soon_threadsafe(self.items.put_nowait, item),
+                                    wants_logprobs)
+        self.listener = asyncio.ensure_future(self.cancel_when_gone(http))
 
-    def stop(self):
-        """Ctrl-C or SIGTERM: take no more requests, abort those in flight (their streams end), end /steps."""
-        with self.lock:
-            self.is_stopping = True
-            watchers = list(self.watchers)
-        self.live.close(abort=True)
-        for watcher in watchers:
-            watcher.put(None)
+    async def cancel_when_gone(self, http):  # uvicorn says "disconnect" once a reply has ended, too: then the
+        while (await http.receive())["type"] != "http.disconnect":  # request has finished, and cancel does nothing
+            pass
+        self.stream.cancel()
+
+    async def next_item(self):
+        item = await self.items.get()
+        if isinstance(item, BaseException):  # the engine failed
+            raise ApiError(500, f"the engine failed: {item!r}", code="engine_error", kind="server_error")
+        return item
+
+    async def __aiter__(self):  # -> (token, finish_reason, logprobs or None), the last with its reason
+        finish_reason = None
+        while finish_reason is None:
+            token, finish_reason = await self.next_item()
+            yield token, finish_reason, await self.next_item() if self.wants_logprobs and token is not None else None
 
 
 # ---------------------------------------------------------------------------------------------
-# The HTTP side: a thread per client, which only submits, reads and cancels
+# The HTTP side: FastAPI on uvicorn's event loop, which only submits, reads and cancels
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: each reply says its length (a stream closes its connection)
-    timeout = 60  # seconds a silent client holds its thread
-    server_version = "nanobatch"
-    engine: Engine = None  # set by serve()
+class Door:
+    """What a request must show before any route reads its body (a middleware, as vLLM checks its API key); refused,
+    its connection closes, the body unread. With --api-key, the key, on every route but /health and /metrics; GET /
+    without it is KEY_PAGE, which asks for it once (docs/api.md says why a cookie). A POST's body: JSON (415
+    otherwise: a form or text/plain is what another site's page may send unasked), its size in Content-Length (a
+    chunked body is refused), at most MAX_BODY (413). A length and chunks both: 400 (RFC 9112, 6.1: smuggling)."""
 
-    def setup(self):
-        super().setup()
-        # Each write leaves at once: without this, a reply's body (or a streamed token) that follows its
-        # headers waits for the client's acknowledgement, which a client delays by up to 40 ms (Nagle's rule).
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def __init__(self, app, engine):
+        self.app, self.engine = app, engine
 
-    def do_GET(self):
-        self.route("GET")
+    async def __call__(self, scope, receive, send):
+        refusal = self.refusal(fastapi.Request(scope)) if scope["type"] == "http" else None
+        await (self.app if refusal is None else refusal)(scope, receive, send)
 
-    def do_POST(self):
-        self.route("POST")
+    def refusal(self, http):
+        """The response that refuses this request, or None."""
+        engine, headers, path, length = self.engine, http.headers, http.url.path, http.headers.get("content-length")
+        media_type = headers.get("content-type", "").split(";")[0].strip().lower()
+        scheme, _, key = headers.get("authorization", "").partition(" ")  # the scheme in any case, as HTTP has it
+        # Each compared in constant time (compare_digest): no reply's timing tells a byte of them.
+        has_key = engine.api_key is None or scheme.lower() == "bearer" and secrets.compare_digest(
+            key.strip().encode(), engine.api_key.encode())
+        has_cookie = secrets.compare_digest(http.cookies.get(KEY_COOKIE, "").encode(), engine.cookie.encode())
+        if path not in ("/health", "/metrics") and not (has_key or has_cookie):
+            if path == "/":
+                return HTMLResponse(KEY_PAGE, 401, {"Connection": "close"})
+            error = ApiError(401, "a valid API key is needed: Authorization: Bearer KEY", code="invalid_api_key")
+        elif "transfer-encoding" in headers and length is not None:
+            error = ApiError(400, "a request with Transfer-Encoding and Content-Length both", code="bad_request")
+        elif http.method != "POST":
+            return None
+        elif media_type != "application/json":
+            error = ApiError(415, f"a POST's body must be application/json, not {media_type or 'untyped'}",
+                             code="unsupported_media_type")
+        elif length is None:
+            error = ApiError(400, "a POST needs a Content-Length header with the body's size (chunks are refused)",
+                             code="bad_request")
+        elif int(length) > MAX_BODY:  # h11 has checked that it is one number
+            error = ApiError(413, f"the body has {length} bytes, over {MAX_BODY}", code="request_too_large")
+        else:
+            return None
+        return error.response({"Connection": "close"})
 
-    def do_other(self):
-        self.route(self.command)
 
-    do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_other
+KEY_PAGE = """<!doctype html><meta charset="utf-8"><title>nanobatch: API key</title>
+<form id="form" style="font: 15px sans-serif; margin: 2em">This server needs its API key (--api-key):
+  <input type="password" id="key" autofocus> <button>open</button> <span id="said"></span></form>
+<script>form.onsubmit = async (event) => {  // the key, sent once as the API takes it: the reply's cookie lets us in
+  event.preventDefault();
+  const reply = await fetch("/", {headers: {Authorization: `Bearer ${key.value}`}});
+  if (reply.ok) location.reload(); else said.textContent = "wrong key";
+};</script>
+"""
 
-    ROUTES = {"/v1/completions": {"POST": "complete"}, "/v1/models": {"GET": "models"}, "/health": {"GET": "health"},
-              "/metrics": {"GET": "send_metrics"}, "/steps": {"GET": "steps"}, "/": {"GET": "page"}}
 
-    def route(self, method):
-        path = self.path.split("?")[0]
-        try:
-            if path not in self.ROUTES:
-                raise ApiError(404, f"no such path: {path}", code="not_found")
-            if method not in self.ROUTES[path]:
-                raise ApiError(405, f"{path} takes {', '.join(self.ROUTES[path])}, not {method}",
-                               code="method_not_allowed")
-            if path.startswith("/v1/") and self.engine.api_key is not None and \
-                    self.headers.get("Authorization") != f"Bearer {self.engine.api_key}":
-                raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY", code="invalid_api_key")
-            getattr(self, self.ROUTES[path][method])()
-        except ApiError as error:
-            if error.status in (401, 404, 405) and self.headers.get("Content-Length", "0") != "0":
-                self.close_connection = True  # a body left unread: kept alive, it would be read as the next request
-            self.send_json(error.status, error.body)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
+def app_of(engine):
+    """The server's FastAPI application, serving engine."""
+    app = fastapi.FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # docs/api.md is the documentation
+    app.add_middleware(Door, engine=engine)
+    for kind in (ApiError, fastapi.exceptions.RequestValidationError, HTTPException):
+        app.add_exception_handler(kind, error_reply)  # async: on the event loop, no thread for an error
 
-    def send_error(self, code, message=None, explain=None):
-        """http.server's own errors (a malformed request line, say), in OpenAI's shape."""
-        self.close_connection = True
-        if self.request_version == "HTTP/0.9":  # what a line that is no HTTP leaves: no status line would be sent
-            self.request_version = "HTTP/1.0"
-        error = ApiError(code, message or "bad request", code="bad_request")
-        self.send_json(code, error.body)
-
-    def send_json(self, status, body, content_type="application/json"):
-        data = (body if isinstance(body, str) else json.dumps(body)).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-
-    def read_body(self):
-        """The request's JSON body, or an ApiError: 413 past MAX_BODY, 400 if it is no JSON."""
-        try:
-            length = int(self.headers.get("Content-Length", ""))
-            if length < 0:
-                raise ValueError
-        except ValueError:
-            self.close_connection = True
-            raise bad("a POST needs a Content-Length header with the body's size", None, "bad_request") from None
-        if length > MAX_BODY:
-            self.close_connection = True  # its body is left unread
-            raise ApiError(413, f"the body has {length} bytes, over {MAX_BODY}", code="request_too_large")
-        try:
-            return json.loads(self.rfile.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise bad(f"the body is not valid JSON: {e}", None, "invalid_json") from None
-
-    def client_gone(self):
-        """Whether the client has closed its connection: readable, with nothing left to read."""
-        try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
-
-    def items(self, stream):
-        """stream's (token, finish_reason) pairs, as the engine makes them. Waiting, it looks every POLL_S
-        whether its client has gone: then it cancels the request and ends (the engine frees its slot)."""
-        while True:
-            try:
-                item = stream.items.get(timeout=POLL_S)
-            except queue.Empty:
-                if self.client_gone():
-                    stream.cancel()
-                    raise ConnectionResetError("the client has gone")
-                continue
-            if isinstance(item, BaseException):
-                raise ApiError(500, f"the engine failed: {item!r}", code="engine_error", kind="server_error")
-            yield item
-            if item[1] is not None:
-                return
-
-    # ---- the endpoints
-
-    def complete(self):
-        engine = self.engine
-        request, stream_it, include_usage, return_ids = parse_completion(
-            self.read_body(), engine.model_name, engine.model.config.vocab_size, engine.max_len, engine.tokenizer)
-        stream = engine.submit(request)
-        try:
-            self.reply(request, stream, stream_it, include_usage, return_ids)
-        finally:
-            engine.replied()
-
-    def reply(self, request, stream, stream_it, include_usage, return_ids):
-        """The completion's reply, as its Stream's tokens come: one JSON at the end, or an event a token."""
-        engine = self.engine
-        reply = {"id": engine.completion_id(stream.request_index), "object": "text_completion",
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: fastapi.Request):
+        request = engine.request_of(body)
+        answer = Answer(engine, request, body.logprobs is not None, http)
+        reply = {"id": engine.completion_id(answer.stream.request_index), "object": "text_completion",
                  "created": int(time.time()), "model": engine.model_name}
-        with_ids = return_ids or engine.tokenizer is None  # offline, token_ids carries the answer
+        with_ids = body.return_token_ids or engine.tokenizer is None  # offline, token_ids carries the answer
         detokenizer = Detokenizer(engine.tokenizer)
-        if not stream_it:
-            try:
-                pieces = [(token, detokenizer.text(token, reason is not None)) for token, reason in self.items(stream)]
-            except ConnectionResetError:
-                return
-            if stream.completion.finish_reason == "abort":
-                raise ApiError(503, "the server is shutting down: the request was aborted", code="unavailable",
-                               kind="server_error")
-            choice = {"index": 0, "text": "".join(text for _, text in pieces),
-                      "finish_reason": FINISH_REASONS[stream.completion.finish_reason], "logprobs": None}
-            if with_ids:
-                choice.update(prompt_token_ids=request.prompt, token_ids=stream.completion.tokens)
-            n_tokens = len(stream.completion.tokens)
-            return self.send_json(200, {**reply, "choices": [choice], "usage": usage(len(request.prompt), n_tokens)})
-        self.start_events(reply["id"])
-        n_tokens = 0
-        try:
-            for token, reason in self.items(stream):
-                choice = {"index": 0, "text": detokenizer.text(token, reason is not None),
-                          "finish_reason": reason and FINISH_REASONS[reason], "logprobs": None}
-                if with_ids:  # as vLLM: the prompt's ids with the first chunk
-                    choice.update(token_ids=[] if token is None else [token],
-                                  **({"prompt_token_ids": request.prompt} if n_tokens == 0 else {}))
-                n_tokens += token is not None
-                self.send_event({**reply, "choices": [choice], **({"usage": None} if include_usage else {})})
-            if include_usage:
-                self.send_event({**reply, "choices": [], "usage": usage(len(request.prompt), n_tokens)})
-            self.send_event("[DONE]")
-        except ApiError as error:  # the engine failed mid-stream: said as an event, as vLLM does
-            self.send_event(error.body)
-            self.send_event("[DONE]")
-        except (BrokenPipeError, ConnectionResetError):
-            stream.cancel()  # the client has gone: its request leaves the belt at the next step
-
-    def start_events(self, request_id=None):
-        """Server-sent events: no length; the connection closes when they end. request_id: a completion's id,
-        in vLLM's X-Request-Id header, so that a client (the page) knows its request while it waits."""
-        self.close_connection = True
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        if request_id is not None:
-            self.send_header("X-Request-Id", request_id)
-        self.end_headers()
-
-    def send_event(self, body):
-        self.wfile.write(f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n".encode())
-        self.wfile.flush()
-
-    def steps(self):
-        """Each engine step's event as it comes, until the client goes or the server stops."""
-        watcher = self.engine.watch()
-        self.start_events()
-        try:
-            while True:
-                try:
-                    event = watcher.get(timeout=15)
-                except queue.Empty:  # a comment line: keeps proxies open, and finds a client that has gone
-                    self.wfile.write(b": idle\n\n")
-                    continue
-                if event is None:
-                    return
-                self.send_event(event)
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            pass
-        finally:
-            self.engine.unwatch(watcher)
-
-    def models(self):
-        card = {"id": self.engine.model_name, "object": "model", "created": int(time.time()), "owned_by": "nanobatch",
-                "max_model_len": self.engine.max_len}
-        self.send_json(200, {"object": "list", "data": [card]})
-
-    def health(self):
-        if self.engine.live.error:
-            raise ApiError(500, f"the engine has failed: {self.engine.live.error!r}", code="engine_error",
+        if body.stream:  # X-Request-Id: vLLM's header, so that the page knows its request while it waits
+            return StreamingResponse(chunks(answer, request, reply, detokenizer, with_ids, body),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": reply["id"]})
+        pieces = [(token, detokenizer.text(token, reason is not None), lp) async for token, reason, lp in answer]
+        completion = answer.stream.completion
+        if completion.finish_reason == "abort":  # the server stops (or the client has gone: this goes nowhere)
+            raise ApiError(503, "the server is shutting down: the request was aborted", code="unavailable",
                            kind="server_error")
-        if self.engine.is_stopping:
+        choice = {"index": 0, "text": "".join(text for _, text, _ in pieces),
+                  "finish_reason": FINISH_REASONS[completion.finish_reason], "logprobs": None if body.logprobs is None
+                  else logprobs_json(detokenizer, [(token, lp) for token, _, lp in pieces], body.logprobs)}
+        if with_ids:
+            choice.update(prompt_token_ids=request.prompt, token_ids=completion.tokens)
+        return JSONResponse({**reply, "choices": [choice], "usage": usage(request, len(completion.tokens))})
+
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    async def models():
+        card = {"id": engine.model_name, "object": "model", "created": int(time.time()), "owned_by": "nanobatch",
+                "max_model_len": engine.max_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health():
+        if engine.live.error:
+            raise ApiError(500, f"the engine has failed: {engine.live.error!r}", code="engine_error",
+                           kind="server_error")
+        if engine.is_stopping:
             raise ApiError(503, "the server is shutting down", code="unavailable", kind="server_error")
-        self.send_json(200, "", "text/plain")
+        return Response(media_type="text/plain")
 
-    def send_metrics(self):
-        self.send_json(200, self.engine.metrics(), "text/plain; version=0.0.4; charset=utf-8")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    async def metrics():
+        return Response(prometheus_client.generate_latest(engine.registry),
+                        media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
-    def page(self):
-        """The live belt: tools/explore.html fed live. Its data: a run with no step yet, which the page fills from
-        /steps, and, as `live`, what this server serves; in its belts' place, the live part: tools/serve.html."""
-        engine, options = self.engine, self.engine.live.options
+    @app.api_route("/steps", methods=["GET", "HEAD"])
+    async def steps(http: fastapi.Request):  # HEAD: the headers alone, not a stream that never ends
+        return StreamingResponse(engine.steps() if http.method == "GET" else iter(()),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def page():  # tools/explore.html fed live: its data, a run with no step yet (the page fills it from
+        # /steps) and, as `live`, what this server serves; in its belts' place, the live part: tools/serve.html
+        options = engine.live.options
         run = ("live", options["n_slots"], options["policy"], options["prefill_chunk"], False, options["kv_blocks"],
                options["prefix_cache"])  # as nanobatch.Shown.runs holds a run
         shown = nanobatch.Shown([], [run], {"live": []}, {}, {"live": []}, engine.tokenizer)
         data = explore.page_data(shown, f"python tools/serve.py: {engine.model_name}, served live")
-        data["live"] = {"model": engine.model_name, "max_len": engine.max_len,
-                        "has_tokenizer": engine.tokenizer is not None, "needs_api_key": engine.api_key is not None,
-                        "belt": dict(width=SVG_WIDTH, left=LEFT, right=RIGHT, title_h=TITLE_H, gap=GAP,
-                                     strip_h=STRIP_H, axis_h=AXIS_H)}  # belt_svg.py's sizes, for the belt drawn live
-        self.send_json(200, explore.filled(data, PAGE.read_text()), "text/html; charset=utf-8")
+        data["live"] = dict(model=engine.model_name, max_len=engine.max_len, has_tokenizer=engine.tokenizer is not None,
+                            belt=dict(width=SVG_WIDTH, left=LEFT, right=RIGHT, title_h=TITLE_H, gap=GAP,
+                                      strip_h=STRIP_H, axis_h=AXIS_H))  # belt_svg.py's sizes, for the belt drawn live
+        response = HTMLResponse(explore.filled(data, PAGE.read_text()))
+        if engine.api_key is not None:  # this browser gave the key (the Door let it in): the page's requests need it
+            response.set_cookie(KEY_COOKIE, engine.cookie, httponly=True, samesite="strict")
+        return response
 
-    def log_message(self, format, *args):  # one line a request on stderr, as http.server does, but quieter
-        if not getattr(self, "path", "").startswith("/metrics"):
-            sys.stderr.write(f"serve: {self.address_string()} {format % args}\n")
+    return app
+
+
+async def chunks(answer, request, reply, detokenizer, with_ids, body):
+    """A stream's server-sent events: a chunk per token (the prompt's ids with the first, if asked), the last with
+    its finish reason; the usage, if asked; then [DONE]. The engine failing midway: an event, as vLLM says it."""
+    include_usage, n_tokens, n_chars = (body.stream_options or {}).get("include_usage", False), 0, 0
+    try:
+        async for token, reason, logprobs in answer:
+            text = detokenizer.text(token, reason is not None)
+            choice = {"index": 0, "text": text, "finish_reason": reason and FINISH_REASONS[reason], "logprobs": None
+                      if logprobs is None else logprobs_json(detokenizer, [(token, logprobs)], body.logprobs, n_chars)}
+            if with_ids:  # as vLLM: the prompt's ids with the first chunk
+                choice.update(token_ids=[] if token is None else [token],
+                              **({"prompt_token_ids": request.prompt} if n_tokens == 0 else {}))
+            n_tokens, n_chars = n_tokens + (token is not None), n_chars + len(text)
+            yield event({**reply, "choices": [choice], **({"usage": None} if include_usage else {})})
+        if include_usage:
+            yield event({**reply, "choices": [], "usage": usage(request, n_tokens)})
+    except ApiError as error:
+        yield event(error.body)
+    yield event("[DONE]")
 
 
 # ---------------------------------------------------------------------------------------------
 # Starting and stopping
-
-
-class Server(ThreadingHTTPServer):
-    daemon_threads = True  # a client that never reads cannot keep the process alive
-    request_queue_size = 128  # connections the system holds before accept: a class arrives at once (default 5)
-
-    def __init__(self, address, handler):
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        super().__init__(address, handler)
 
 
 def load(args):
@@ -565,50 +535,73 @@ def load(args):
     model = nanobatch.seeded_model(args) if model is None else model.to(args.device, args.dtype).eval()
     tokenizer = nanobatch.load_tokenizer(model)
     if tokenizer is None:
-        print("serve: no tokenizer (tiktoken's GPT-2 files cannot be had offline): prompts must be lists of token "
-              "ids, and answers come as token_ids, their text empty", file=sys.stderr)
+        print("serve: no tokenizer (tiktoken's files offline): prompts are ids, answers token_ids", file=sys.stderr)
     return model, tokenizer, name
 
 
 def start(args):
-    """Load, start the engine's thread and the HTTP server's -> the Engine, serving (engine.httpd)."""
+    """Load, start the engine's thread, then uvicorn's (its loggers as the process has them; signals are serve()'s)
+    -> the Engine, serving: its uvicorn.Server engine.server, its address engine.address (--port 0: a free one)."""
     model, tokenizer, name = load(args)
     args.max_len = args.max_len or model.config.block_size
     engine = Engine(model, tokenizer, args.served_model_name or name, args)
     try:
-        engine.httpd = Server((args.host, args.port), type("BoundHandler", (Handler,), {"engine": engine}))
-    except OSError as e:
-        nanobatch.fail(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
-    try:
         engine.live.__enter__()  # the engine's thread; a bad option raises here, before any request
     except ValueError as e:
-        engine.httpd.server_close()
         nanobatch.fail(e)
-    engine.http_thread = threading.Thread(target=engine.httpd.serve_forever, kwargs=dict(poll_interval=0.1),
-                                          name="nanobatch http", daemon=True)  # shutdown() seen within 0.1 s
+    engine.server = uvicorn.Server(uvicorn.Config(
+        app_of(engine), host=args.host, port=args.port, http="h11", lifespan="off", log_config=None,
+        limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive,
+        timeout_graceful_shutdown=GRACE_S))
+    engine.http_thread = threading.Thread(target=engine.server.run, name="nanobatch http", daemon=True)
     engine.http_thread.start()
+    while not engine.server.started and engine.http_thread.is_alive():  # uvicorn binds its socket, then serves
+        time.sleep(0.01)
+    if not engine.server.started:
+        engine.live.close(abort=True)
+        nanobatch.fail(f"cannot serve on {args.host}:{args.port} (uvicorn's reason is above)")
+    engine.address = engine.server.servers[0].sockets[0].getsockname()[:2]
     return engine
 
 
 def stop(engine):
-    """Take no more requests, abort those in flight (their streams end), then close the HTTP server."""
-    engine.stop()
-    with engine.lock:  # each aborted stream's end written before the process may exit; a client that reads
-        engine.all_replied.wait_for(lambda: engine.n_replying == 0, timeout=2)  # nothing holds it 2 s at most
-    engine.httpd.shutdown()
-    engine.httpd.server_close()
-    engine.http_thread.join(timeout=5)
+    """Ctrl-C or SIGTERM: take no more requests, abort those in flight (their streams end abort, [DONE]), end /steps;
+    then uvicorn closes each connection as its reply ends, or after GRACE_S (a client that reads nothing)."""
+    with engine.lock:
+        engine.is_stopping = True
+    engine.live.close(abort=True)
+    for watcher in list(engine.watchers):  # the engine's thread has ended: no step comes after this
+        engine.loop.call_soon_threadsafe(watcher.put_nowait, None)
+    engine.server.should_exit = True  # uvicorn looks every 0.1 s
+    engine.http_thread.join(timeout=GRACE_S + 5)
+
+
+def addresses(host, port):
+    """Where a browser finds the server: its --host; or for 0.0.0.0, which no browser opens, this machine's addresses
+    that others reach, then 127.0.0.1."""
+    if host != "0.0.0.0":
+        return [f"http://{f'[{host}]' if ':' in host else host}:{port}/"]
+    found = []
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # sends nothing: the system picks the address that a route out would use
+        found.append(probe.getsockname()[0])
+    return [f"http://{address}:{port}/" for address in found + ["127.0.0.1"]]
 
 
 def serve(args):
-    """start, print the address on a line of its own, serve until SIGINT or SIGTERM, stop -> 0."""
+    """start, print where it serves (an address a line), serve until SIGINT or SIGTERM, stop -> 0."""
+    logging.basicConfig(level=logging.INFO, format="serve: %(message)s", stream=sys.stderr)  # uvicorn's lines
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a socket a connection: room for --limit-concurrency
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, args.limit_concurrency + 256)), hard))
     engine = start(args)  # Ctrl-C while it loads: KeyboardInterrupt, caught in main
     stop_asked = threading.Event()
     for signal_number in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signal_number, lambda *_: stop_asked.set())
     try:
-        host, port = engine.httpd.server_address[:2]
-        print(f"http://{f'[{host}]' if ':' in host else host}:{port}/", flush=True)
+        print("\n".join(addresses(args.host, engine.address[1])), flush=True)
+        if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"serve: WARNING: no --api-key, on {args.host}: anyone who reaches this machine can send prompts, "
+                  f"and read every prompt and answer at /steps", file=sys.stderr, flush=True)
         while not stop_asked.wait(0.1):  # a signal sets it; the timeout keeps the main thread able to take one
             pass
         print("serve: stopping: aborting the requests in flight", file=sys.stderr, flush=True)
@@ -624,12 +617,19 @@ def parse(argv=None):
     parser.add_argument("--port", type=int, default=8000, help="the port (8000; 0 takes a free one)")
     parser.add_argument("--max-waiting", type=nanobatch.positive(int), metavar="N", default=None,
                         help="at most N requests wait for a slot; past it, 429 (no limit)")
-    parser.add_argument("--api-key", metavar="KEY", default=None, help="/v1/ needs Authorization: Bearer KEY")
-    parser.add_argument("--served-model-name", metavar="NAME", default=None,
-                        help="the model's name in the API (gpt2; gpt2-random offline; nanobatch-quick)")
+    parser.add_argument("--api-key", metavar="KEY", default=None, help="every route but /health and /metrics needs "
+                        "Authorization: Bearer KEY; the page asks for it once")
+    parser.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (gpt2, offline "
+                        "gpt2-random, --quick nanobatch-quick)")
+    parser.add_argument("--seed", type=int, default=0, help="the random model's weights (--quick, or offline), and "
+                        "each request that gives no seed: the server's request i (from 0) samples with seed + i (0)")
+    parser.add_argument("--limit-concurrency", type=nanobatch.positive(int), metavar="N", default=2048,
+                        help="connections at once, at most: past them, 503, as uvicorn's option (2048)")
+    parser.add_argument("--timeout-keep-alive", type=float, metavar="S", default=5.0,
+                        help="a connection is closed after S seconds without a whole request, as uvicorn's (5)")
     _, args = nanobatch.parse_args(parser, argv, {"slots", "max_len", "prefill_chunk", "kv_blocks", "kv_block_size",
                                                    "prefix_cache", "policy", "device", "dtype", "weights", "quick",
-                                                   "seed", "batch_invariant"})
+                                                   "batch_invariant"})
     return args
 
 
