@@ -31,6 +31,7 @@ import random
 import statistics
 import sys
 import time
+import warnings
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -589,24 +590,24 @@ def decode_steps(model, n_rows):
     return seconds
 
 
-def products_alone(model, n_rows, layout):
+def products_alone(model, n_rows, layout, transposed=None):
     """Seconds for the 48 linear layers and the LM head of a step of n_rows, torch's kernels and nothing else:
-    layout "as stored", model.Linear's x @ W; "nn.Linear", F.linear's x @ W^T (the weights transposed once)."""
+    layout "as stored", model.Linear's x @ W (W (in, out)); "nn.Linear", F.linear's x @ W^T on transposed, the
+    same weights stored (out, in) as nn.Linear keeps them."""
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     layers = [layer for block in model.transformer.h for layer in (block.attn.c_attn, block.attn.c_proj,
                                                                    block.mlp.c_fc, block.mlp.c_proj)]
     layers.append(model.lm_head)
     inputs = {layer.weight.size(0): torch.randn(n_rows, layer.weight.size(0), device=device, dtype=dtype)
               for layer in layers}
+    start = time.perf_counter()
     if layout == "nn.Linear":
-        weights = [(layer.weight.t().contiguous(), layer.bias) for layer in layers]
-        start = time.perf_counter()
-        for weight, bias in weights:
-            F.linear(inputs[weight.size(1)], weight, bias)
+        for (weight, bias), layer in zip(transposed, layers):
+            F.linear(inputs[layer.weight.size(0)], weight, bias)
     else:
-        start = time.perf_counter()
         for layer in layers:
-            layer(inputs[layer.weight.size(0)])
+            torch.addmm(layer.bias, inputs[layer.weight.size(0)], layer.weight) if layer.bias is not None else \
+                inputs[layer.weight.size(0)] @ layer.weight
     synchronize(device)
     return time.perf_counter() - start
 
@@ -618,6 +619,9 @@ def roofline(model, args, n_passes=3, n_products=15):
     invariant = GPT(replace(model.config, batch_invariant=True)).to(args.device, args.dtype).eval()
     invariant.load_state_dict(model.state_dict())
     rows = [args.slots] if args.slots != nanobatch.OPTIONS["slots"][1] else ROOFLINE_ROWS
+    layers = [layer for block in model.transformer.h for layer in (block.attn.c_attn, block.attn.c_proj,
+                                                                   block.mlp.c_fc, block.mlp.c_proj)]
+    transposed = [(layer.weight.t().contiguous(), layer.bias) for layer in layers + [model.lm_head]]  # nn.Linear's
     print(f"decode steps ({ROOFLINE_PROMPT}-token prompts, {ROOFLINE_NEW} new tokens, every slot decoding), the "
           f"median step_s of {n_passes} runs a path, alternated; products alone: the 48 linear layers and the LM "
           f"head on ({'{rows}'}, {model.config.n_embd}), the median of {n_products}; {torch.get_num_threads()} "
@@ -625,13 +629,18 @@ def roofline(model, args, n_passes=3, n_products=15):
     print(f"{'rows':>5}{'default ms':>12}{'invariant ms':>14}{'invariant/default':>19}{'products ms':>13}"
           f"{'(nn.Linear)':>12}{'default/products':>18}{'(nn.Linear)':>13}")
     with torch.no_grad():
+        for warm_up in (model, invariant):  # the first run of a process pays for its first allocations
+            decode_steps(warm_up, rows[0])
         for n_rows in rows:
             steps = {False: [], True: []}
             for i in range(2 * n_passes):
                 path = bool(i % 2) != bool(i // 2 % 2)  # default, invariant, invariant, default, ...
                 steps[path] += decode_steps(invariant if path else model, n_rows)
-            products = {layout: statistics.median(products_alone(model, n_rows, layout) for _ in range(n_products))
-                        for layout in ("as stored", "nn.Linear")}
+            products = {"as stored": [], "nn.Linear": []}
+            for _ in range(n_products):  # the two layouts in turn, so that the machine's drift falls on both
+                for layout in products:
+                    products[layout].append(products_alone(model, n_rows, layout, transposed))
+            products = {layout: statistics.median(seconds) for layout, seconds in products.items()}
             default, batch_invariant = (statistics.median(steps[path]) for path in (False, True))
             print(f"{n_rows:>5}{1e3 * default:>12.1f}{1e3 * batch_invariant:>14.1f}{batch_invariant / default:>18.2f}x"
                   f"{1e3 * products['as stored']:>13.1f}{1e3 * products['nn.Linear']:>12.1f}"
@@ -639,17 +648,21 @@ def roofline(model, args, n_passes=3, n_products=15):
     where_the_step_goes(model, rows[-1])
 
 
-def where_the_step_goes(model, n_rows):
-    """One run of generate at n_rows, its decode steps profiled: each kind of operation's share of their time,
-    by torch.profiler's self time (STEP_OPS); the rest is Python and the operations between them."""
-    from torch.profiler import ProfilerActivity, profile
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as profiled:
-        seconds = decode_steps(model, n_rows)
+def where_the_step_goes(model, n_rows, n_active=20):
+    """n_active decode steps of a run of generate at n_rows, profiled: each kind of operation's share of their time,
+    by torch.profiler's self time (STEP_OPS); the rest, the Python between them and the smaller operations."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+    requests = [Request([(97 * i + j) % model.config.vocab_size for j in range(ROOFLINE_PROMPT)], ROOFLINE_NEW)
+                for i in range(n_rows)]
+    with torch.no_grad(), warnings.catch_warnings(), profile(activities=[ProfilerActivity.CPU], schedule=schedule(
+            wait=2, warmup=1, active=n_active)) as profiled:  # (its warning: one cycle's events, as wanted)
+        warnings.simplefilter("ignore")
+        generate(model, requests, n_slots=n_rows, eos_id=None, on_step=lambda report: profiled.step())
     self_us = {event.key: event.self_cpu_time_total for event in profiled.key_averages()}
-    total_us = sum(self_us.values())  # every step of the run, prefill too: shares, not the decode steps' times
+    total_us = sum(self_us.values())  # the steps' whole time: ProfilerStep's own is the Python between operations
     shares = {kind: sum(self_us.get(name, 0) for name in names) / total_us for kind, names in STEP_OPS.items()}
     shares["everything else (Python, copies, small ops)"] = 1 - sum(shares.values())
-    print(f"\nwhere a run's time goes at {n_rows} rows ({len(seconds)} decode steps, profiled, so slower): " +
+    print(f"\nwhere a decode step's time goes at {n_rows} rows ({n_active} steps, profiled, so slower): " +
           ", ".join(f"{kind} {share:.1%}" for kind, share in shares.items()))
 
 

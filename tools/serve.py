@@ -627,9 +627,8 @@ def parse(argv=None):
                         help="connections at once, at most: past them, 503, as uvicorn's option (2048)")
     parser.add_argument("--timeout-keep-alive", type=float, metavar="S", default=5.0,
                         help="a connection is closed after S seconds without a whole request, as uvicorn's (5)")
-    _, args = nanobatch.parse_args(parser, argv, {"slots", "max_len", "prefill_chunk", "kv_blocks", "kv_block_size",
-                                                   "prefix_cache", "policy", "device", "dtype", "weights", "quick",
-                                                   "batch_invariant"})
+    engine_options = nanobatch.SERVING - {"disaggregate", "seed"} | {"prefix_cache", "policy", "weights", "quick"}
+    _, args = nanobatch.parse_args(parser, argv, engine_options)  # the seed is the server's own (above)
     return args
 
 
