@@ -145,7 +145,7 @@ def print_varying_ops(model):
     found = [varying_ops(m) for m in paths]
     print(f"each op of a step: where a row's bits differ from the same row's in a call of {BATCH_SIZES[-1]} rows "
           f"({model.lm_head.weight.device}, {model.lm_head.weight.dtype}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads)")
+          f"{torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)})")
     print(f"{'op':24}{'default path':62}batch-invariant path")
     for name in found[0]:
         print(f"{name:24}{found[0][name] or 'nowhere':62}{found[1][name] or 'nowhere'}")
