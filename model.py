@@ -63,20 +63,22 @@ class PackedStep:
 
 
 class Linear(nn.Module):
-    """y = x W + b, W stored (in, out) as GPT-2's checkpoints store it (its Conv1D; nn.Linear keeps W^T). For the few
-    rows of a decode step MKL computes x W 5-40% faster than x W^T, the LM head the most (docs/benchmarks.md)."""
+    """y = x W^T + b, W (out, in) as nn.Linear keeps it, computed as (W x^T)^T: for the few rows of a decode step MKL
+    then streams W with its kernel for a few columns, 1.3-3.9x faster on 2 threads of an EPYC for 2-16 rows (on one
+    thread, faster for 2-5, 10% slower for 8-16: docs/benchmarks.md). It computes at least min_rows rows: 2, since
+    MKL's one-row kernel is slower; batch-invariant, MIN_ROWS_INVARIANT, MKL's general kernel for every call."""
 
     def __init__(self, n_in, n_out, bias=True, batch_invariant=False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.weight = nn.Parameter(torch.empty(n_out, n_in))
         self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
-        self.batch_invariant = batch_invariant  # its rows padded to a multiple of ROW_MULTIPLE (below)
+        self.min_rows = MIN_ROWS_INVARIANT if batch_invariant else 2
 
     def forward(self, x):
         rows = x.reshape(-1, x.size(-1))  # (N, in): every row, whatever the batch's shape
-        padded = pad_rows(rows) if self.batch_invariant else rows  # (N', in)
-        y = padded @ self.weight if self.bias is None else torch.addmm(self.bias, padded, self.weight)  # (N', out)
-        return y[:len(rows)].view(*x.shape[:-1], y.size(-1))
+        padded = rows if len(rows) >= self.min_rows else F.pad(rows, (0, 0, 0, self.min_rows - len(rows)))  # (N', in)
+        y = self.weight @ padded.t() if self.bias is None else torch.addmm(self.bias[:, None], self.weight, padded.t())
+        return y.t()[:len(rows)].contiguous().view(*x.shape[:-1], y.size(0))  # (..., out), row by row again
 
 
 class CausalSelfAttention(nn.Module):
@@ -294,8 +296,7 @@ class GPT(nn.Module):
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd),
         ))
-        # GPT-2 ties its token embeddings to the LM head: token t's embedding is column t of its weight (C, V),
-        # stored as the head reads it (Linear); the checkpoint's wte (V, C) is its transpose (load_hf_tensors).
+        # GPT-2 ties its token embeddings to the LM head: token t's embedding is row t of the head's weight (V, C).
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False, batch_invariant=config.batch_invariant)
         for name, p in self.named_parameters():  # std 0.02 as GPT-2 (not its scaled residuals)
             if p.dim() == 2:
@@ -308,7 +309,7 @@ class GPT(nn.Module):
         return KVCache(self.config, n_blocks, block_size, p.device, p.dtype)
 
     def embed(self, tokens, positions):  # each token's embedding and its position's, summed: (..., C)
-        return F.embedding(tokens, self.lm_head.weight.t()) + self.transformer.wpe(positions)
+        return F.embedding(tokens, self.lm_head.weight) + self.transformer.wpe(positions)
 
     def forward(self, idx):
         """The reference: idx (B, T) token ids -> logits (B, T, V), causal, no cache."""
@@ -344,12 +345,13 @@ class GPT(nn.Module):
 # Batching should change when a token is computed, never which. In float32 it changes the last bits of the logits
 # where a kernel sums a row's products in an order that depends on what shares its call (Thinking Machines, 2025),
 # and at a near-tie another token wins. Measured op by op (tools/verify.py --ops, docs/api.md), two ops do so here:
-# a matrix product, which MKL computes for a lone row (and the last 1-3 of a few) with another kernel than for rows
-# 4 at a time, so pad_rows gives each a multiple of 4; and torch's fused attention, which sums up to 512 keys in one
-# product that MKL splits at length-dependent points, so attention_in_key_blocks sums KEY_BLOCK keys at a time, in
-# order. The reference (GPT.forward) runs the same ops. Cost: a step of one row computed as 4 (docs/benchmarks.md).
+# a matrix product, which MKL computes for fewer than 12 rows with a kernel other than its general one (which the
+# reference's long prompts take), so a batch-invariant Linear computes at least MIN_ROWS_INVARIANT rows; and torch's
+# fused attention, which sums up to 512 keys in one product that MKL splits at length-dependent points, so
+# attention_in_key_blocks sums KEY_BLOCK keys at a time, in order. The reference runs the same ops (GPT.forward).
 
-ROW_MULTIPLE = 4  # rows a matrix product takes at a time, as MKL computes them alike
+MIN_ROWS_INVARIANT = 16  # rows a batch-invariant Linear computes at least: from 12, MKL's general kernel for (W x^T)
+ROW_MULTIPLE = 4  # rows attention's batched products take at a time, as MKL computes them alike
 KEY_BLOCK = 64  # keys summed in one matrix product: one length for every call, far below where MKL splits a sum
 
 
@@ -424,6 +426,8 @@ def split_at_cut(feeds, n_slots, device):
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # the four released sizes
 HF_URL = "https://huggingface.co/openai-community/{name}/resolve/main/model.safetensors"
+# GPT-2 was written with Conv1D layers, which store weights as (in, out); Linear keeps nn.Linear's (out, in).
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32,
                       "F16": torch.float16, "BF16": torch.bfloat16}
 MAX_HEADER_BYTES = 100_000_000  # a real header is kilobytes; a corrupt length must not eat memory
@@ -549,16 +553,18 @@ def load_hf_tensors(model, tensors, path):
     lm_head = found.pop("lm_head.weight", None)
     if lm_head is not None and not torch.equal(lm_head, found.get("wte.weight", lm_head)):
         raise ValueError(f"{path}: lm_head.weight differs from wte.weight, but GPT-2 ties them")
-    if "wte.weight" in found:  # the tied embeddings (V, C): our LM head's weight is their transpose (GPT)
-        found["lm_head.weight"] = found.pop("wte.weight").t()
+    if "wte.weight" in found:  # the tied embeddings (V, C), our LM head's weight (GPT)
+        found["lm_head.weight"] = found.pop("wte.weight")
     expected = {name.removeprefix("transformer."): p for name, p in model.named_parameters()}
     missing, unexpected = expected.keys() - found.keys(), found.keys() - expected.keys()
     for problem, names in [("missing", missing), ("unexpected", unexpected)]:
         if names:
             raise ValueError(f"{path}: {len(names)} {problem} tensors, e.g. {sorted(names)[:3]}")
     with torch.no_grad():
-        for name, param in expected.items():  # Linear stores (in, out), as GPT-2's Conv1D layers did: no transposing
-            if found[name].shape != param.shape:
+        for name, param in expected.items():
+            is_conv1d = name.endswith(CONV1D_WEIGHTS)
+            want = param.shape[::-1] if is_conv1d else param.shape  # as the file should store it
+            if found[name].shape != want:
                 raise ValueError(f"{path}: tensor {name} has shape {list(found[name].shape)}, "
-                                 f"the model expects {list(param.shape)}")
-            param.copy_(found[name])
+                                 f"the model expects {list(want)}")
+            param.copy_(found[name].t() if is_conv1d else found[name])

@@ -360,7 +360,7 @@ def test_a_slot_is_cleaned_for_its_new_occupant(monkeypatch):
     reference's answers, and must not once the wiping is switched off (so the NaN was there)."""
     model, poison = tiny_gpt(), 7
     with torch.no_grad():
-        model.lm_head.weight[:, poison] = math.nan  # token 7's embedding: column 7 of the tied head (model.GPT)
+        model.lm_head.weight[poison] = math.nan  # token 7's embedding: row 7 of the tied head (model.GPT)
     rng = random.Random(8)
     # Slot 0: the poisoned request (NaN keys at positions 2..19), then short ones. Slot 1: a long
     # one, which makes every step attend over more positions than a short request has, so the
@@ -970,10 +970,11 @@ def test_batch_invariant_logits_are_the_references_bit_for_bit(mode):
         assert sum(not torch.equal(row, want) for _, _, row, want in default) > len(default) // 2
 
 
-def test_a_lone_row_left_unpadded_is_caught(monkeypatch):
-    """The teeth: ROW_MULTIPLE = 1, so a step of one row, and the last rows of a small one, take MKL's other
-    kernels again. The proof must see it (where the machine's BLAS splits rows so), and the ops' check name it."""
-    monkeypatch.setattr(model_py, "ROW_MULTIPLE", 1)
+def test_a_product_of_a_few_rows_left_to_its_own_kernel_is_caught(monkeypatch):
+    """The teeth: MIN_ROWS_INVARIANT = 2, so that a product of fewer than 12 rows (a decode step's, mostly) takes
+    MKL's kernel for a few columns again, not the general one the reference's long rows take. The proof must see
+    it (where the machine's BLAS splits calls so), and the ops' check name the linear layers."""
+    monkeypatch.setattr(model_py, "MIN_ROWS_INVARIANT", 2)
     varying = varying_ops(invariant_gpt())
     assert varying[f"linear {TINY['n_embd']} -> {3 * TINY['n_embd']}"], varying
     paired = logits_and_reference(invariant_gpt(), random_workload(seed=21, n_requests=12), "per slot")

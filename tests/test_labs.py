@@ -869,7 +869,7 @@ def test_lab_4_the_dirty_slot(monkeypatch):
     check_pytest_lines(section, cases)
     says(section, r"Of these (\w+), one leaves finite keys in a slot, the other plants a NaN", len(cases))
     [(model, requests, got)] = [run for run in served if len(run[1]) == 5]  # the cleaned-slot test's: 3 after 2
-    [poison] = model.lm_head.weight.isnan().any(dim=0).nonzero().flatten().tolist()
+    [poison] = model.lm_head.weight.isnan().any(dim=1).nonzero().flatten().tolist()
     [failure] = [case.message for case in cases if not case.passed]
     later = int(re.search(r"request (\d+) differs", failure)[1])
     says(section, r"a long companion in slot (\d+) keeps", got[1].slot)

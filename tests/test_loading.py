@@ -22,6 +22,8 @@ from tests.common import random_prompt, tiny_gpt, worst
 # ---------------------------------------------------------------------------------------------
 # Loading Hugging Face checkpoints, written here by hand
 
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
 
 @pytest.fixture(scope="module")
 def saved():
@@ -33,9 +35,9 @@ def saved():
 def hf_tensors(model, prefix="", buffers=True, lm_head=False):
     """The model's parameters named and laid out as Hugging Face stores GPT-2."""
     tensors = {}
-    for name, p in model.named_parameters():  # weights (in, out) as stored; the tied LM head's as wte (V, C)
+    for name, p in model.named_parameters():  # the tied LM head's weight as wte; Conv1D's weights (in, out)
         name = "wte.weight" if name == "lm_head.weight" else name.removeprefix("transformer.")
-        tensors[prefix + name] = (p.t() if name == "wte.weight" else p).detach().contiguous().clone()
+        tensors[prefix + name] = (p.t() if name.endswith(CONV1D) else p).detach().contiguous().clone()
     if buffers:  # the causal-mask buffers that old checkpoints carry
         n = model.config.block_size
         for i in range(model.config.n_layer):
