@@ -147,10 +147,12 @@ def test_verdict_in_float64(offset, expected):
 # fake server with changes planted has each found, placed and judged (rounding, BUG, or text only unjudged)
 
 
-def test_url_own_server_in_float64_changes_no_answer(capsys):
-    """tools/serve.py (--quick, float64, 4 slots so that requests queue and slots are reused), asked 8
-    greedy prompts alone, all at once and in a shuffled wave: every answer under load is its alone answer."""
-    engine = serve.start(serve.parse(["--quick", "--port", "0", "--dtype", "float64", "--slots", "4"]))
+@pytest.mark.parametrize("path", [["--dtype", "float64"], ["--dtype", "float32", "--batch-invariant"]])
+def test_url_own_server_changes_no_answer(capsys, path):
+    """tools/serve.py (--quick, 4 slots so that requests queue and slots are reused), in float64 or batch-invariant
+    in float32, asked 8 greedy prompts alone, all at once and in a shuffled wave: every answer under load is its
+    alone answer."""
+    engine = serve.start(serve.parse(["--quick", "--port", "0", "--slots", "4", *path]))
     try:
         url = f"http://127.0.0.1:{port(engine)}/"
         with pytest.raises(SystemExit) as exit_status:
