@@ -64,9 +64,11 @@ class PackedStep:
 
 class Linear(nn.Module):
     """y = x W^T + b, W (out, in) as nn.Linear keeps it, computed as (W x^T)^T: for the few rows of a decode step MKL
-    then streams W with its kernel for a few columns, 1.3-3.9x faster on 2 threads of an EPYC for 2-16 rows (on one
-    thread, faster for 2-5, 10% slower for 8-16: docs/benchmarks.md). It computes at least min_rows rows: 2, since
-    MKL's one-row kernel is slower; batch-invariant, MIN_ROWS_INVARIANT, MKL's general kernel for every call."""
+    then streams W with its kernel for a few columns, and a step's products of 2-16 rows take 0.3-0.8x F.linear's time
+    on 2 threads of an EPYC (on one, 0.5-0.75x for 2-4 rows, 1.15x for 8-16: docs/benchmarks.md). It computes at least
+    min_rows rows (zeros, dropped after): 2, as MKL's one-row kernel is slower; batch-invariant, MIN_ROWS_INVARIANT, so
+    that MKL's general kernel takes every call. Above 8, whole groups of 8: the general kernel takes a remainder of
+    columns slowly (a call of 15 rows costs 1.9x one of 16)."""
 
     def __init__(self, n_in, n_out, bias=True, batch_invariant=False):
         super().__init__()
@@ -76,7 +78,8 @@ class Linear(nn.Module):
 
     def forward(self, x):
         rows = x.reshape(-1, x.size(-1))  # (N, in): every row, whatever the batch's shape
-        padded = rows if len(rows) >= self.min_rows else F.pad(rows, (0, 0, 0, self.min_rows - len(rows)))  # (N', in)
+        n = max(self.min_rows, len(rows) if len(rows) <= 8 else -(-len(rows) // 8) * 8)  # rows computed: zeros added
+        padded = rows if n == len(rows) else F.pad(rows, (0, 0, 0, n - len(rows)))  # (n, in)
         y = self.weight @ padded.t() if self.bias is None else torch.addmm(self.bias[:, None], self.weight, padded.t())
         return y.t()[:len(rows)].contiguous().view(*x.shape[:-1], y.size(0))  # (..., out), row by row again
 
@@ -345,7 +348,7 @@ class GPT(nn.Module):
 # Batching should change when a token is computed, never which. In float32 it changes the last bits of the logits
 # where a kernel sums a row's products in an order that depends on what shares its call (Thinking Machines, 2025),
 # and at a near-tie another token wins. Measured op by op (tools/verify.py --ops, docs/api.md), two ops do so here:
-# a matrix product, which MKL computes for fewer than 12 rows with a kernel other than its general one (which the
+# a matrix product, which MKL computes for 8 rows or fewer with a kernel other than its general one (which the
 # reference's long prompts take), so a batch-invariant Linear computes at least MIN_ROWS_INVARIANT rows; and torch's
 # fused attention, which sums up to 512 keys in one product that MKL splits at length-dependent points, so
 # attention_in_key_blocks sums KEY_BLOCK keys at a time, in order. The reference runs the same ops (GPT.forward).

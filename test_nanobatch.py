@@ -971,7 +971,7 @@ def test_batch_invariant_logits_are_the_references_bit_for_bit(mode):
 
 
 def test_a_product_of_a_few_rows_left_to_its_own_kernel_is_caught(monkeypatch):
-    """The teeth: MIN_ROWS_INVARIANT = 2, so that a product of fewer than 12 rows (a decode step's, mostly) takes
+    """The teeth: MIN_ROWS_INVARIANT = 2, so that a product of 8 rows or fewer (a decode step's, mostly) takes
     MKL's kernel for a few columns again, not the general one the reference's long rows take. The proof must see
     it (where the machine's BLAS splits calls so), and the ops' check name the linear layers."""
     monkeypatch.setattr(model_py, "MIN_ROWS_INVARIANT", 2)
