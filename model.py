@@ -358,17 +358,11 @@ ROW_MULTIPLE = 4  # rows attention's batched products take at a time, as MKL com
 KEY_BLOCK = 64  # keys summed in one matrix product: one length for every call, far below where MKL splits a sum
 
 
-def pad_rows(x):
-    """x (..., T, C) with rows of zeros added to a multiple of ROW_MULTIPLE -> (..., T', C), x itself if none."""
-    n_pad = -x.size(-2) % ROW_MULTIPLE
-    return F.pad(x, (0, 0, 0, n_pad)) if n_pad else x
-
-
 def attention_in_key_blocks(query, key, value, attn_mask=None, is_causal=False):
     """F.scaled_dot_product_attention, batch-invariant: query (B, nh, T, hs), key and value (B, nh, L, hs),
     attn_mask (B or 1, 1, T or 1, L' <= L) bool, True where a query sees a key (past L': unseen) -> (B, nh, T, hs)."""
     T, L = query.size(-2), key.size(-2)
-    query = pad_rows(query)  # (B, nh, T', hs)
+    query = F.pad(query, (0, 0, 0, -T % ROW_MULTIPLE))  # (B, nh, T', hs): rows of zeros to a multiple of ROW_MULTIPLE
     n_pad_keys = -L % KEY_BLOCK  # keys of no one's, unseen, to whole blocks (none where the caller read whole blocks)
     if n_pad_keys:
         key, value = (F.pad(t, (0, 0, 0, n_pad_keys)) for t in (key, value))  # (B, nh, L', hs)

@@ -1437,7 +1437,7 @@ OPTIONS = {  # each option of nanobatch.py and tools/ once: name -> (argparse's 
     "device": (dict(type=usable_device, help="cpu, cuda, cuda:1, ... (cuda when present)"), None),
     "dtype": (dict(choices=["float32", "float64", "bfloat16", "float16"], help="(float32)"), "float32"),
     "batch_invariant": (dict(action="store_true", help="every row's logits the same bits whatever shares its step "
-                             "(model.py: a step of one row computed as 4, attention in blocks of 64 keys)"), False),
+                             "(model.py: products over 16 rows at least, attention in blocks of 64 keys)"), False),
     "quiet": (dict(action="store_true", help="no belt, only the summary"), False),
     "kv_blocks": (dict(type=positive(int), metavar="N", help="a paged cache: N blocks that the slots share (--demo: "
                                                     "paged, then per slot in the same memory)"), None),

@@ -911,8 +911,9 @@ def test_a_hit_that_skips_the_last_prompt_token_is_caught(gpt, monkeypatch):
 # each op of the step gives a row the same bits in any call; an op that does not is named.
 
 INVARIANT_MODES = {  # generate's options in each mode the engine runs; "live": the same, through LiveRequests
-    "per slot": dict(n_slots=3), "static": dict(n_slots=3, policy="static"), "chunked": dict(n_slots=3, prefill_chunk=5),
-    "one token a step": dict(n_slots=16, prefill_chunk=1), "paged, preempted": dict(n_slots=4, kv_blocks=14, kv_block_size=4),
+    "per slot": dict(n_slots=3), "static": dict(n_slots=3, policy="static"),
+    "chunked": dict(n_slots=3, prefill_chunk=5), "one token a step": dict(n_slots=16, prefill_chunk=1),
+    "paged, preempted": dict(n_slots=4, kv_blocks=14, kv_block_size=4),
     "prefix-cached, preempted": dict(n_slots=4, kv_blocks=14, kv_block_size=4, prefix_cache=True, prefill_chunk=6),
     "disaggregated": dict(n_slots=3, disaggregate=True), "live": dict(n_slots=3, prefill_chunk=7),
 }

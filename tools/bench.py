@@ -618,8 +618,8 @@ def roofline(model, args, n_passes=3, n_products=15):
     print(f"decode steps ({ROOFLINE_PROMPT}-token prompts, {ROOFLINE_NEW} new tokens, every slot decoding), the "
           f"median step_s of {n_passes} runs a path, alternated; products alone: the 48 linear layers and the LM "
           f"head on ({'{rows}'}, {model.config.n_embd}), the median of {n_products}; {torch.get_num_threads()} "
-          f"threads, {args.device}, {args.dtype}; products as nn.Linear computes them (F.linear, x W^T), and (W x^T) as "
-          f"model.Linear does")
+          f"threads, {args.device}, {args.dtype}; products as nn.Linear computes them (F.linear, x W^T), and "
+          f"(W x^T) as model.Linear does")
     print(f"{'rows':>5}{'default ms':>12}{'invariant ms':>14}{'invariant/default':>19}{'products ms':>13}"
           f"{'(W x^T)':>9}{'default/products':>18}{'(W x^T)':>9}")
     with torch.no_grad():

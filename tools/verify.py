@@ -101,7 +101,8 @@ def varying_ops(model):
     with torch.no_grad():
         for name, (op, x) in rowwise.items():
             in_the_most = op(x)  # every row in a call of n
-            found[name] = ", ".join(str(size) for size in BATCH_SIZES if not torch.equal(op(x[:size]), in_the_most[:size]))
+            found[name] = ", ".join(str(size) for size in BATCH_SIZES
+                                    if not torch.equal(op(x[:size]), in_the_most[:size]))
             found[name] = found[name] and f"in calls of {found[name]} rows"
         found["attention"] = attention_varies(block.attn.attention, config, randn)
     return found
