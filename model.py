@@ -63,12 +63,11 @@ class PackedStep:
 
 
 class Linear(nn.Module):
-    """y = x W^T + b, W (out, in) as nn.Linear keeps it, computed as (W x^T)^T: for the few rows of a decode step MKL
-    then streams W with its kernel for a few columns, and a step's products of 2-16 rows take 0.3-0.8x F.linear's time
-    on 2 threads of an EPYC (on one, 0.5-0.75x for 2-4 rows, 1.15x for 8-16: docs/benchmarks.md). It computes at least
-    min_rows rows (zeros, dropped after): 2, as MKL's one-row kernel is slower; batch-invariant, MIN_ROWS_INVARIANT, so
-    that MKL's general kernel takes every call. Above 8, whole groups of 8: the general kernel takes a remainder of
-    columns slowly (a call of 15 rows costs 1.9x one of 16)."""
+    """y = x W^T + b, W (out, in) as nn.Linear keeps it, computed as (W x^T)^T: MKL streams W over a decode step's few
+    rows with its kernel for a few columns (0.3-0.9x F.linear's time for 2-16 rows on 2 threads of an EPYC; on one,
+    faster for 2-4 only: docs/benchmarks.md). Zeros, dropped after, make at least min_rows rows (2: MKL's one-row kernel
+    is slower; batch-invariant, MIN_ROWS_INVARIANT: the general kernel for every call) and, above 8, whole groups of 8
+    (the general kernel takes a remainder of columns slowly)."""
 
     def __init__(self, n_in, n_out, bias=True, batch_invariant=False):
         super().__init__()
@@ -94,9 +93,7 @@ class CausalSelfAttention(nn.Module):
         self.attention = attention_in_key_blocks if config.batch_invariant else F.scaled_dot_product_attention
 
     def forward(self, x, kv_cache=None, step=None):
-        if kv_cache is None:
-            return self.c_proj(self.attend_causal(x))
-        return self.c_proj(self.attend_packed(x, kv_cache, step))
+        return self.c_proj(self.attend_causal(x) if kv_cache is None else self.attend_packed(x, kv_cache, step))
 
     def attend_causal(self, x):
         """The reference: x (B, T, C), each row a whole sequence, so plain causal attention."""
@@ -113,8 +110,8 @@ class CausalSelfAttention(nn.Module):
         # q, k, v: each (M, nh, hs). Each cache (n_blocks, nh, block_size, hs), per slot (S, nh, max_len, hs),
         # with a buffer that a paged read gathers it into (slot_positions).
         (k_cache, k_gathered), (v_cache, v_gathered) = kv_cache
-      # Store the new keys and values first, so that a token can attend to itself: one write of M cells, each at its
-      # own (slot, position), or, paged, at the block and offset that its slot's block table gives the position.
+        # Store the new keys and values first, so that a token can attend to itself: one write of M cells, each at
+        # its own (slot, position), or, paged, at the block and offset its slot's block table gives the position.
         if step.block_tables is None:
             blocks, offsets = step.slots, step.positions
         else:
@@ -230,9 +227,8 @@ class KVCache:
     Heads come first in a block, as in vLLM's: a head's keys lie side by side, a view a matrix product takes."""
 
     def __init__(self, config, n_blocks, block_size, device, dtype):
-        head_size = config.n_embd // config.n_head
         # (n_layer, k|v, n_blocks, nh, block_size, hs); per slot, n_blocks is S and block_size max_len
-        shape = (config.n_layer, 2, n_blocks, config.n_head, block_size, head_size)
+        shape = (config.n_layer, 2, n_blocks, config.n_head, block_size, config.n_embd // config.n_head)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)  # zeros: see clear() for why
         # Paged reads' copies, of keys and of values, shared by every layer: see slot_positions.
         self.gathered = (torch.empty(0, device=device, dtype=dtype), torch.empty(0, device=device, dtype=dtype))
@@ -283,10 +279,9 @@ def check_cache_fits(config, n_slots, max_len, device, dtype, unit="slots"):
     per_slot = config.n_layer * 2 * max_len * config.n_embd * dtype.itemsize  # keys and values, every layer
     free = available_memory(device)
     if free is not None and n_slots * per_slot > free:
-        size = "max_len" if unit == "slots" else "kv_block_size"
-        raise ValueError(f"a KV cache of {n_slots} {unit} x {max_len} positions takes "
-                         f"{n_slots * per_slot / 1e9:.3g} GB, but {device} has {free / 1e9:.3g} GB free: at most "
-                         f"{free // per_slot} {unit} fit at {size}={max_len}")
+        raise ValueError(f"a KV cache of {n_slots} {unit} x {max_len} positions takes {n_slots * per_slot / 1e9:.3g} "
+                         f"GB, but {device} has {free / 1e9:.3g} GB free: at most {free // per_slot} {unit} fit at "
+                         f"{'max_len' if unit == 'slots' else 'kv_block_size'}={max_len}")
 
 
 class GPT(nn.Module):
@@ -316,8 +311,7 @@ class GPT(nn.Module):
 
     def forward(self, idx):
         """The reference: idx (B, T) token ids -> logits (B, T, V), causal, no cache."""
-        B, T = idx.size()
-        x = self.embed(idx, torch.arange(T, device=idx.device))  # (B, T, C)
+        x = self.embed(idx, torch.arange(idx.size(1), device=idx.device))  # (B, T, C)
         for block in self.transformer.h:
             x = block(x)
         return self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
@@ -550,8 +544,7 @@ def load_hf_tensors(model, tensors, path):
     lm_head = found.pop("lm_head.weight", None)
     if lm_head is not None and not torch.equal(lm_head, found.get("wte.weight", lm_head)):
         raise ValueError(f"{path}: lm_head.weight differs from wte.weight, but GPT-2 ties them")
-    if "wte.weight" in found:  # the tied embeddings (V, C), our LM head's weight (GPT)
-        found["lm_head.weight"] = found.pop("wte.weight")
+    found["lm_head.weight"] = found.pop("wte.weight")  # the tied embeddings (V, C), our LM head's weight (GPT)
     expected = {name.removeprefix("transformer."): p for name, p in model.named_parameters()}
     missing, unexpected = expected.keys() - found.keys(), found.keys() - expected.keys()
     for problem, names in [("missing", missing), ("unexpected", unexpected)]:
