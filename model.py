@@ -58,25 +58,25 @@ class PackedStep:
     one_token_mask: torch.Tensor  # (S, 1, L) bool: slot s's one-token query may see position l; L, the cut
     chunks: list  # (rows, slot, mask): a slice of rows, their slot, (T, L) bool mask over that slot
     logit_rows: torch.Tensor  # (R,) rows whose next-token logits are wanted
-    block_tables: torch.Tensor | None = None  # (S, n_table): paged, slot s's position p lives in block
-    #                                           block_tables[s, p // block_size] (nanobatch Part 3); None: per slot
+    block_tables: torch.Tensor | None = None  # (S, n_table), paged: slot s's position p in block [s, p // block_size]
 
 
 class Linear(nn.Module):
     """y = x W^T + b, W (out, in) as nn.Linear keeps it, computed as (W x^T)^T: MKL streams W over a decode step's few
-    rows with its kernel for a few columns (0.3-0.9x F.linear's time for 2-16 rows on 2 threads of an EPYC; on one,
-    faster for 2-4 only: docs/benchmarks.md). Zeros, dropped after, make at least min_rows rows (2: MKL's one-row kernel
-    is slower; batch-invariant, MIN_ROWS_INVARIANT: the general kernel for every call) and, above 8, whole groups of 8
-    (the general kernel takes a remainder of columns slowly)."""
+    rows with its kernel for a few columns (docs/benchmarks.md). Zeros, dropped after, make at least min_rows rows (2:
+    MKL's one-row kernel is slower; batch-invariant, MIN_ROWS_INVARIANT: its general kernel for every call) and, above
+    8, whole groups of 8 (it takes a remainder of columns slowly), unless one thread runs x W^T faster there."""
 
     def __init__(self, n_in, n_out, bias=True, batch_invariant=False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_out, n_in))
         self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
-        self.min_rows = MIN_ROWS_INVARIANT if batch_invariant else 2
+        self.batch_invariant, self.min_rows = batch_invariant, MIN_ROWS_INVARIANT if batch_invariant else 2
 
     def forward(self, x):
         rows = x.reshape(-1, x.size(-1))  # (N, in): every row, whatever the batch's shape
+        if len(rows) > 8 and torch.get_num_threads() == 1 and not self.batch_invariant:
+            return F.linear(x, self.weight, self.bias)  # (..., out): one thread, above 8 rows
         n = max(self.min_rows, len(rows) if len(rows) <= 8 else -(-len(rows) // 8) * 8)  # rows computed: zeros added
         padded = rows if n == len(rows) else F.pad(rows, (0, 0, 0, n - len(rows)))  # (n, in)
         y = self.weight @ padded.t() if self.bias is None else torch.addmm(self.bias[:, None], self.weight, padded.t())
