@@ -1641,7 +1641,7 @@ def test_lab_13_why_temperature_0_is_not_deterministic_under_load(monkeypatch):
              r"attention in a batch too", 1, threshold - 1)
     else:  # another machine's threads may switch elsewhere: the prose speaks of this one's
         stated(section, r"the linear layers' rows differ in the same calls, of (\d+)-(\d+) rows")
-    says(section, r"\((\d+) rows is the\s+threshold here\)", threshold)
+    says(section, r"(\d+) rows is the\s+threshold here\)", threshold)
     says(section, r"rounds up to whole groups of (\d+) rows", threshold - 1)  # Linear's: calls of 9 rows or more
     check_every_figure_pinned(section, r"temperature 0 answers with the load", r"Inference\", 2025",
                               r"VLLM_BATCH_INVARIANT=1", r"OMP_NUM_THREADS=1", r"a 2-core AMD EPYC VM with AVX-512")

@@ -593,7 +593,7 @@ def decode_steps(model, n_rows):
 def products_alone(model, n_rows, layout):
     """Seconds for the 48 linear layers and the LM head of a step of n_rows, on (n_rows, C) inputs, nothing else:
     layout "nn.Linear", torch's F.linear, x W^T, as nn.Linear computes it (the floor any engine on this torch pays);
-    "as the model", model.Linear's (W x^T)^T, its rows padded as it pads them."""
+    "as the model", model.Linear's own: (W x^T)^T, its rows padded as it pads them (one thread, above 8: x W^T)."""
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     layers = [layer for block in model.transformer.h for layer in (block.attn.c_attn, block.attn.c_proj,
                                                                    block.mlp.c_fc, block.mlp.c_proj)]
@@ -619,9 +619,9 @@ def roofline(model, args, n_passes=3, n_products=15):
           f"median step_s of {n_passes} runs a path, alternated; products alone: the 48 linear layers and the LM "
           f"head on ({'{rows}'}, {model.config.n_embd}), the median of {n_products}; {torch.get_num_threads()} "
           f"threads, {args.device}, {args.dtype}; products as nn.Linear computes them (F.linear, x W^T), and "
-          f"(W x^T) as model.Linear does")
+          f"as model.Linear does (Linear: (W x^T)^T, or on one thread above 8 rows x W^T)")
     print(f"{'rows':>5}{'default ms':>12}{'invariant ms':>14}{'invariant/default':>19}{'products ms':>13}"
-          f"{'(W x^T)':>9}{'default/products':>18}{'(W x^T)':>9}")
+          f"{'Linear':>9}{'default/products':>18}{'Linear':>9}")
     with torch.no_grad():
         for warm_up in (model, invariant):  # the first run of a process pays for its first allocations
             decode_steps(warm_up, rows[0])
