@@ -1023,7 +1023,7 @@ def step_report(step, step_start, belt, waiting, blocks, prompts, admitted, pree
         at_worker=[run.request_index for run in belt if run and run.request_index in prompts.holding],
         kv_bytes=sum(handover.kv_bytes for handover in handovers), kv_s=sum(handover.kv_s for handover in handovers),
         preempted=preempted, block_tables=[list(run.block_table) if run else [] for run in belt],
-        kv_used_after=positions_in_use([run for run in belt if run and not run.completion], blocks.cache.kv.size(3)))
+        kv_used_after=positions_in_use([run for run in belt if run and not run.completion], blocks.cache.block_size))
 
 
 def positions_in_use(belt, block_size):

@@ -10,7 +10,7 @@ import torch
 import nanobatch
 from model import GPT
 from nanobatch import Request, generate
-from tests.common import MAX_LEN
+from tests.common import MAX_LEN, random_workload, tiny_gpt
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,3 +231,19 @@ def test_positions_in_use_count_a_shared_block_once():
     assert nanobatch.positions_in_use([a, None, b], block_size=4) == 7
     slots = [SimpleNamespace(block_table=[0], n_cached=3), None, SimpleNamespace(block_table=[2], n_cached=9)]
     assert nanobatch.positions_in_use(slots, block_size=16) == 12
+
+
+def test_kv_used_after_counts_what_the_next_step_finds():
+    """StepReport.kv_used_after (the server's kv_cache_usage_perc): the positions of the requests still in a
+    slot once phase 7 has retired the step's finished ones. Per slot nothing is shared, so it is the sum of the
+    n_cached of the slots whose occupant did not finish, by hand; the requests' prompts run past a head's
+    count of positions, so a block size read off the wrong axis of the cache shows."""
+    reports, model = [], tiny_gpt()
+    generate(model, random_workload(seed=3, n_requests=8), n_slots=3, max_len=MAX_LEN, eos_id=None,
+             on_step=reports.append)
+    assert any(n > model.config.n_head for report in reports for n in report.n_cached)
+    for report in reports:
+        finished = {index for index, _ in report.finished}
+        assert report.kv_used_after == sum(n for who, n in zip(report.occupants, report.n_cached)
+                                           if who is not None and who not in finished), report.step
+    assert reports[-1].kv_used_after == 0

@@ -580,13 +580,17 @@ STEP_OPS = {  # a profiled step's operations, by what they do (torch.profiler's 
 }
 
 
+def roofline_requests(model, n_rows):
+    """n_rows requests of ROOFLINE_PROMPT tokens each (fixed ids), ROOFLINE_NEW new tokens each."""
+    return [Request([(97 * i + j) % model.config.vocab_size for j in range(ROOFLINE_PROMPT)], ROOFLINE_NEW)
+            for i in range(n_rows)]
+
+
 def decode_steps(model, n_rows):
     """generate's decode steps with every one of n_rows slots decoding -> their StepReports' step_s."""
-    requests = [Request([(97 * i + j) % model.config.vocab_size for j in range(ROOFLINE_PROMPT)], ROOFLINE_NEW)
-                for i in range(n_rows)]
     seconds = []
-    generate(model, requests, n_slots=n_rows, eos_id=None, on_step=lambda report: seconds.append(report.step_s)
-             if report.n_running == n_rows and report.n_prompt_tokens == 0 else None)
+    generate(model, roofline_requests(model, n_rows), n_slots=n_rows, eos_id=None, on_step=lambda report:
+             seconds.append(report.step_s) if report.n_running == n_rows and report.n_prompt_tokens == 0 else None)
     return seconds
 
 
@@ -646,12 +650,11 @@ def where_the_step_goes(model, n_rows, n_active=20):
     """n_active decode steps of a run of generate at n_rows, profiled: each kind of operation's share of their time,
     by torch.profiler's self time (STEP_OPS); the rest, the Python between them and the smaller operations."""
     from torch.profiler import ProfilerActivity, profile, schedule
-    requests = [Request([(97 * i + j) % model.config.vocab_size for j in range(ROOFLINE_PROMPT)], ROOFLINE_NEW)
-                for i in range(n_rows)]
     with torch.no_grad(), warnings.catch_warnings(), profile(activities=[ProfilerActivity.CPU], schedule=schedule(
             wait=2, warmup=1, active=n_active)) as profiled:  # (its warning: one cycle's events, as wanted)
         warnings.simplefilter("ignore")
-        generate(model, requests, n_slots=n_rows, eos_id=None, on_step=lambda report: profiled.step())
+        generate(model, roofline_requests(model, n_rows), n_slots=n_rows, eos_id=None,
+                 on_step=lambda report: profiled.step())
     self_us = {event.key: event.self_cpu_time_total for event in profiled.key_averages()}
     total_us = sum(self_us.values())  # the steps' whole time: ProfilerStep's own is the Python between operations
     shares = {kind: sum(self_us.get(name, 0) for name in names) / total_us for kind, names in STEP_OPS.items()}
