@@ -567,6 +567,14 @@ def test_shutting_down_is_a_503(server, monkeypatch):
     assert call(server, "GET", "/health")[0] == 503
 
 
+def test_a_failed_engine_is_a_500_engine_error(server, monkeypatch):
+    """After the engine's thread has failed, a POST gets what /health says: 500, engine_error (docs/api.md)."""
+    monkeypatch.setattr(server.live, "error", RuntimeError("a planted failure"))
+    for method, path, body in (("POST", "/v1/completions", {"prompt": [1], "max_tokens": 1}), ("GET", "/health", None)):
+        status, _, data = call(server, method, path, body)
+        assert (status, json.loads(data)["error"]["code"]) == (500, "engine_error"), (path, data)
+
+
 def wait_until(condition, timeout=TIMEOUT_S):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

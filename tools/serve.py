@@ -101,8 +101,8 @@ class CompletionRequest(BaseModel):
     top_p: float | None = None
     logit_bias: dict[str, float] | None = None
 
-    @field_validator("max_tokens", "temperature", "stream", "return_token_ids", "echo", "n", "presence_penalty",
-                     "frequency_penalty", mode="before")
+    @field_validator("max_tokens", "temperature", "stream", "return_token_ids", "ignore_eos", "echo", "n",
+                     "presence_penalty", "frequency_penalty", mode="before")
     @classmethod
     def null_is_default(cls, value, info):  # as OpenAI reads a null
         return cls.model_fields[info.field_name].default if value is None else value
@@ -175,7 +175,7 @@ def logprobs_json(detokenizer, pieces, k, first_offset=0):
     names = [detokenizer.name(token) for token, _ in pieces]
     chosen = [max(logprobs[token].item(), -9999.0) for token, logprobs in pieces]  # vLLM's floor: JSON has no -inf
     tops = [logprobs.topk(k) for _, logprobs in pieces]  # each (k,) values, (k,) token ids
-    return {"text_offset": [first_offset + sum(map(len, names[:n])) for n in range(len(names))],
+    return {"text_offset": (first_offset + torch.tensor([0, *map(len, names)]).cumsum(0)[:-1]).tolist(),
             "token_logprobs": chosen, "tokens": names,
             "top_logprobs": [{name: logprob, **{detokenizer.name(i): max(v, -9999.0) for i, v in zip(
                 top.indices.tolist(), top.values.tolist())}} for name, logprob, top in zip(names, chosen, tops)]}
@@ -245,6 +245,12 @@ class Engine:
                           ["model_name", "finished_reason"], registry=self.registry)
         self.finished = {reason: success.labels(model_name, reason) for reason in ("stop", "length", "abort")}
 
+    def check_serving(self):  # an ApiError once the engine has failed or the server stops: /health's, a POST's
+        if self.live.error:
+            raise ApiError(500, f"the engine has failed: {self.live.error!r}", code="engine_error", kind="server_error")
+        if self.is_stopping:
+            raise ApiError(503, "the server is shutting down", code="unavailable", kind="server_error")
+
     def completion_id(self, request_index):
         return f"cmpl-{self.boot}-{request_index}"
 
@@ -273,9 +279,7 @@ class Engine:
         """request onto the belt's queue, its items handed to put in the engine's thread -> its Stream; or an ApiError:
         shutting down, the queue full, or what the engine refuses (an id outside the vocabulary, too small a pool)."""
         with self.lock:  # the engine's on_step waits, so that it meets this request's bookkeeping whole
-            if self.is_stopping or self.live.error:
-                raise ApiError(503, "the server is shutting down" if self.is_stopping else
-                               f"the engine has failed: {self.live.error!r}", code="unavailable", kind="server_error")
+            self.check_serving()
             if self.max_waiting is not None and len(self.queued) >= self.max_waiting:
                 raise ApiError(429, f"{len(self.queued)} requests wait for a slot already (--max-waiting "
                                f"{self.max_waiting}): try again later", code="rate_limit_exceeded", kind="requests")
@@ -318,8 +322,8 @@ class Engine:
         if wanted:  # from the very logits the step sampled from: raw (before temperature and top-k), as vLLM's
             rows = report.logits[[row for row, _ in wanted]]  # (R', V)
             logprobs = torch.log_softmax(rows.to(torch.promote_types(rows.dtype, torch.float32)), dim=-1)
-            for row, (_, put) in zip(logprobs, wanted):  # after the row's token: phase 6 follows phase 5
-                put(row)
+            for row, (_, put) in zip(logprobs.cpu(), wanted):  # a copy on the host: the event loop never waits on a GPU
+                put(row.clone())  # its own row, not a view that keeps the step's (R', V) alive
         if self.watchers:  # no one reads /steps: no event made, the engine pays for it only while it is read
             data = event(step_event(report, self.completion_id, requests, self.tokenizer))
             for watcher in [watcher for watcher in self.watchers if watcher.qsize() < MAX_BEHIND]:
@@ -464,11 +468,7 @@ def app_of(engine):
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        if engine.live.error:
-            raise ApiError(500, f"the engine has failed: {engine.live.error!r}", code="engine_error",
-                           kind="server_error")
-        if engine.is_stopping:
-            raise ApiError(503, "the server is shutting down", code="unavailable", kind="server_error")
+        engine.check_serving()
         return Response(media_type="text/plain")
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
